@@ -1,0 +1,240 @@
+"""The plain-PyTorch API: prepare a model, build its optimizer, step, merge.
+
+    model = prepare_model(model, GaLoreConfig.preset("qgalore_adamw_8bit", rank=128))
+    optimizer = create_optimizer(model, model.galore_config, lr=1e-3, weight_decay=0.01)
+    for batch in data:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        after_step(model, optimizer)   # runs a basis refresh when one is due
+        optimizer.zero_grad()
+    model = merge_and_unload(model)    # plain nn.Linear layers, merged weights
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .config import GaLoreConfig
+from .inject import iter_galore_layers, replace_targets, unload
+from .layers import GaLoreLinear
+
+__all__ = [
+    "prepare_model",
+    "create_optimizer",
+    "galore_param_groups",
+    "install_base_decay_hook",
+    "after_step",
+    "merge_and_unload",
+    "merged_state_dict",
+    "galore_layers",
+    "galore_state_dict",
+    "load_galore_state_dict",
+    "galore_stats",
+]
+
+
+def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
+    """Replace the targeted nn.Linear layers of `model` by GaLore layers, in place; returns `model`."""
+    if not isinstance(config, GaLoreConfig):
+        raise TypeError(
+            f"config must be a hf_galore_plugin.GaLoreConfig, got {type(config).__name__}; "
+            "use GaLoreConfig.preset('galore_adamw') or GaLoreConfig(rank=..., ...)"
+        )
+    existing = getattr(model, "galore_config", None)
+    if existing is not None:
+        if existing == config:
+            return model
+        raise ValueError("model was already prepared with a different GaLoreConfig; merge_and_unload(model) first")
+    report = replace_targets(model, config)
+    model.galore_config = config
+    model.galore_report = report
+    return model
+
+
+def galore_layers(model: nn.Module) -> list[tuple[str, GaLoreLinear]]:
+    return list(iter_galore_layers(model))
+
+
+def galore_param_groups(
+    model: nn.Module, param_groups: Iterable[dict[str, Any]], config: GaLoreConfig, *, eps: float = 1e-8
+) -> list[dict[str, Any]]:
+    """Split every GaLore factor out of `param_groups` into groups tagged ``"galore": True``.
+
+    The factor's true gradient is ``scale * R`` (R = the projected gradient GaLore's Adam sees), so
+    the group's eps is multiplied by ``scale``: Adam(scale * R, eps * scale) == Adam(R, eps) exactly,
+    and the weight moves by ``lr * scale * update`` as in GaLore.
+    """
+    factors = {id(layer.galore_factor) for _, layer in iter_galore_layers(model)}
+    result = []
+    for group in param_groups:
+        params = list(group["params"])
+        plain = [p for p in params if id(p) not in factors]
+        lowrank = [p for p in params if id(p) in factors]
+        if plain:
+            result.append({**group, "params": plain})
+        if lowrank:
+            result.append({**group, "params": lowrank, "eps": group.get("eps", eps) * config.scale, "galore": True})
+    return result
+
+
+def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
+    """Apply each GaLore group's decoupled weight decay to the frozen base through its scalar multiplier.
+
+    AdamW decays the factor itself; the base W0 is not a parameter of the optimizer, so after every step
+    ``alpha *= 1 - lr * weight_decay`` with the group's lr of that step (a post-hook runs before any LR
+    scheduler step). Together the whole effective weight decays, as GaLore's AdamW does.
+    """
+    owner = {id(layer.galore_factor): layer for _, layer in iter_galore_layers(model)}
+
+    def hook(opt: torch.optim.Optimizer, args, kwargs) -> None:
+        for group in opt.param_groups:
+            wd = group.get("weight_decay", 0.0)
+            if not group.get("galore") or not wd:
+                continue
+            factor = 1.0 - group["lr"] * wd
+            for p in group["params"]:
+                layer = owner.get(id(p))
+                if layer is not None and p.grad is not None:
+                    layer.base_multiplier.mul_(factor)
+
+    return optimizer.register_step_post_hook(hook)
+
+
+def create_optimizer(
+    model: nn.Module,
+    config: Optional[GaLoreConfig] = None,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    param_groups: Optional[list[dict[str, Any]]] = None,
+):
+    """AdamW (fp32 or 8-bit state per `config`) over every trainable parameter of a prepared model.
+
+    `param_groups` (e.g. a decay / no-decay split) replaces the default single group of all
+    trainable parameters with ``weight_decay``.
+    """
+    from .optim import AdamW
+
+    config = config or getattr(model, "galore_config", None)
+    if config is None:
+        raise ValueError("model is not prepared: call prepare_model(model, config) first, or pass config")
+    if not galore_layers(model):
+        raise ValueError("model has no GaLore layers: call prepare_model(model, config) before create_optimizer")
+    if param_groups is None:
+        param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    groups = galore_param_groups(model, param_groups, config, eps=eps)
+    optimizer = AdamW(
+        groups,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        state_bits=config.state_bits,
+        block_size=config.state_block_size,
+        error_feedback=config.error_feedback,
+    )
+    install_base_decay_hook(optimizer, model)
+    return optimizer
+
+
+def after_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    """Call once after every ``optimizer.step()``: counts the step and refreshes bases that are due.
+
+    Returns ``{"refreshed": [layer names], "similarity": mean subspace similarity or None}``.
+    """
+    refreshed, similarities = [], []
+    for name, layer in iter_galore_layers(model):
+        due = layer.refresh_due
+        similarity = layer.after_optimizer_step(optimizer)
+        if due and similarity is not None:
+            refreshed.append(name)
+            if not math.isnan(similarity):
+                similarities.append(similarity)
+    return {
+        "refreshed": refreshed,
+        "similarity": sum(similarities) / len(similarities) if similarities else None,
+    }
+
+
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Fold every GaLore layer back into a plain nn.Linear with the merged weight; returns `model`."""
+    unload(model)
+    for attr in ("galore_config", "galore_report"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    return model
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """The state dict the merged model would have (plain nn.Linear keys), without changing `model`."""
+    state_dict = dict(model.state_dict() if state_dict is None else state_dict)
+    for name, layer in iter_galore_layers(model):
+        prefix = f"{name}." if name else ""
+        for key in layer.state_dict(keep_vars=True):
+            state_dict.pop(prefix + key, None)
+        state_dict[prefix + "weight"] = layer.effective_weight(layer.weight_dtype)
+        if layer.bias is not None:
+            state_dict[prefix + "bias"] = layer.bias.detach()
+    return state_dict
+
+
+def galore_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of every GaLore layer (W0 incl. quantized parts, factor, bases, counters), detached."""
+    state = {}
+    for name, layer in iter_galore_layers(model):
+        for key, value in layer.state_dict().items():
+            state[f"{name}.{key}"] = value.detach().clone()
+    return state
+
+
+def load_galore_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Restore what :func:`galore_state_dict` saved, exactly (strict: every layer, every key)."""
+    layers = dict(iter_galore_layers(model))
+    per_layer: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
+    for key, value in state.items():
+        name, _, sub = key.rpartition(".")
+        if name not in per_layer:
+            raise KeyError(f"GaLore state holds {key!r} but the model has no GaLore layer {name!r}")
+        per_layer[name][sub] = value
+    for name, layer in layers.items():
+        with torch.no_grad():
+            layer.load_state_dict(per_layer[name], strict=True)
+
+
+def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, float]:
+    """Numbers worth logging: refreshes, subspace similarity, gaps, state bytes, quantization error."""
+    layers = galore_layers(model)
+    if not layers:
+        return {}
+    similarities = [float(l.galore_last_similarity) for _, l in layers]
+    similarities = [s for s in similarities if not math.isnan(s)]
+    gaps = [int(l.galore_gap) for _, l in layers]
+    stats: dict[str, float] = {
+        "galore/layers": float(len(layers)),
+        "galore/refreshes": float(sum(int(l.galore_num_refreshes) for _, l in layers)),
+        "galore/gap_mean": sum(gaps) / len(gaps),
+        "galore/gap_max": float(max(gaps)),
+    }
+    if similarities:
+        stats["galore/similarity"] = sum(similarities) / len(similarities)
+    nbytes: dict[str, int] = {}
+    for _, layer in layers:
+        for role, n in layer.state_nbytes().items():
+            nbytes[role] = nbytes.get(role, 0) + n
+    for role, n in nbytes.items():
+        stats[f"galore/bytes_{role}"] = float(n)
+    if optimizer is not None and hasattr(optimizer, "state_nbytes"):
+        stats["galore/bytes_optimizer_state"] = float(optimizer.state_nbytes())
+    errors = [l.quantization_error() for _, l in layers]
+    weight_errors = [e["weight"] for e in errors if "weight" in e]
+    if weight_errors:
+        stats["galore/weight_quant_error"] = sum(weight_errors) / len(weight_errors)
+    return stats

@@ -1,0 +1,237 @@
+"""Configuration of GaLore / Q-GaLore: one dataclass, validated in one place.
+
+Every field has help text (``dataclasses.fields(GaLoreConfig)[i].metadata["help"]``); the
+transformers integration turns them into typed ``optim_args`` keys. Contradictory or
+out-of-range values raise ``ValueError`` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+__all__ = ["GaLoreConfig", "PRESETS", "PROJ_TYPES", "BASIS_METHODS", "MOMENT_HANDLING"]
+
+PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
+BASIS_METHODS = ("svd", "randomized")
+MOMENT_HANDLING = ("keep", "project", "reset")
+WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
+BASIS_STORAGE = ("as_computed", "int8", "int4")
+
+
+def _help(text: str, **kw: Any):
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass(kw_only=True)
+class GaLoreConfig:
+    """Settings of one GaLore method. Build with ``GaLoreConfig(...)`` or ``GaLoreConfig.preset(name)``."""
+
+    rank: int = _help("Rank r of the projection basis (GaLore paper: 128 for 60M-350M, 512 for 1B+).", default=128)
+    update_proj_gap: int = _help(
+        "Optimizer steps between basis refreshes (GaLore paper: 200). With lazy refresh this is the starting gap.",
+        default=200,
+    )
+    scale: float = _help(
+        "GaLore scale alpha: the low-rank update is multiplied by it (paper: 0.25). Must be > 0.", default=0.25
+    )
+    proj_type: str = _help(
+        "Which side is projected: 'std' (right basis Q when rows >= cols, else left basis P), 'reverse_std' "
+        "(the other side), 'left', 'right', or 'full' (two-sided, r x r factor).",
+        default="std",
+    )
+    basis_method: str = _help(
+        "How a basis is computed from the layer gradient: 'svd' (exact, torch.linalg.svd in fp32) or "
+        "'randomized' (Halko et al. 2011 range finder: faster for large layers).",
+        default="svd",
+    )
+    oversampling: int = _help("Extra columns of the randomized range finder (Halko et al.: 5-10).", default=8)
+    power_iterations: int = _help(
+        "Subspace (power) iterations of the randomized range finder; 1-2 sharpen a flat spectrum.", default=1
+    )
+    lazy_refresh: bool = _help(
+        "Q-GaLore's layer-adaptive refresh: when consecutive bases of a layer agree (similarity >= "
+        "cos_threshold over lazy_window refreshes) that layer's gap grows by lazy_growth.",
+        default=False,
+    )
+    cos_threshold: float = _help(
+        "Subspace similarity (mean squared cosine of principal angles, in [0, 1]) above which two "
+        "consecutive bases count as agreeing (Q-GaLore paper: 0.4).",
+        default=0.4,
+    )
+    lazy_window: int = _help("Number of consecutive agreeing refreshes before a gap grows (Q-GaLore: 5).", default=5)
+    lazy_growth: int = _help("Factor by which a lazy layer's gap grows (Q-GaLore: 2).", default=2)
+    max_proj_gap: Optional[int] = _help(
+        "Upper bound of a lazily grown gap (default: 8 x update_proj_gap).", default=None
+    )
+    moment_handling: str = _help(
+        "What happens to the Adam moments of a layer when its basis changes: 'keep' (GaLore paper), "
+        "'project' (transport them into the new basis), 'reset' (start the moments from zero).",
+        default="keep",
+    )
+    state_bits: int = _help("Optimizer state precision: 32 (fp32 moments) or 8 (8-bit blockwise).", default=32)
+    state_block_size: int = _help("Block size of the 8-bit optimizer state (power of two).", default=256)
+    error_feedback: bool = _help(
+        "Carry the 8-bit quantization residual of the optimizer state into the next step.", default=False
+    )
+    weight_storage: str = _help(
+        "Storage of the frozen base weight W0: 'as_loaded' (the model's dtype), 'int8' (group-quantized, "
+        "Q-GaLore) or 'nf4' (QLoRA's 4-bit normal float).",
+        default="as_loaded",
+    )
+    weight_group_size: Optional[int] = _help(
+        "Quantization group (block) size of W0 (default: 256 for int8, 64 for nf4).", default=None
+    )
+    basis_storage: str = _help(
+        "Storage of the projection basis: 'as_computed' (fp32), 'int8' or 'int4' (Q-GaLore).", default="as_computed"
+    )
+    basis_group_size: Optional[int] = _help(
+        "Quantization group size of the basis (default: 256 for int8, 64 for int4).", default=None
+    )
+    stochastic_rounding: bool = _help(
+        "Round stochastically when the update is folded into a quantized W0 (Q-GaLore), so small updates "
+        "are not lost to rounding.",
+        default=True,
+    )
+    target_modules: Optional[Union[list, str]] = _help(
+        "Which nn.Linear layers to train with GaLore: None (every nn.Linear except the output head and "
+        "layers whose smaller side <= rank), 'all-linear', a list of name suffixes, or a regex string "
+        "matched with re.fullmatch against the module name.",
+        default=None,
+    )
+    exclude_modules: Optional[list] = _help(
+        "Module-name suffixes never targeted (default: the output head, found by the model's "
+        "get_output_embeddings(), or a layer named 'lm_head').",
+        default=None,
+    )
+    lr_scale: float = _help(
+        "Learning rate multiplier of the GaLore groups applied by the integration (0.8-0.9 of the user's).",
+        default=0.85,
+    )
+    lr_recovery_fraction: float = _help(
+        "Fraction of training over which the GaLore groups' lr scale recovers linearly to 1.0 (0: never).",
+        default=0.0,
+    )
+    seed: int = _help("Seed of the random projections and of stochastic rounding.", default=0)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def bad(name: str, fix: str) -> ValueError:
+            return ValueError(f"GaLoreConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+        for name in ("rank", "update_proj_gap", "lazy_window", "state_block_size", "lazy_growth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"GaLoreConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+        if self.rank < 1:
+            raise bad("rank", "use a positive rank, e.g. rank=128")
+        if self.update_proj_gap < 1:
+            raise bad("update_proj_gap", "use a positive number of steps, e.g. update_proj_gap=200")
+        if not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            raise bad("scale", "use a positive float, e.g. scale=0.25")
+        for name, allowed in (
+            ("proj_type", PROJ_TYPES),
+            ("basis_method", BASIS_METHODS),
+            ("moment_handling", MOMENT_HANDLING),
+            ("weight_storage", WEIGHT_STORAGE),
+            ("basis_storage", BASIS_STORAGE),
+        ):
+            if getattr(self, name) not in allowed:
+                raise bad(name, f"choose one of {list(allowed)}")
+        if self.oversampling < 0:
+            raise bad("oversampling", "use 0 or more extra columns (5-10 is typical)")
+        if self.power_iterations < 0:
+            raise bad("power_iterations", "use 0 or more power iterations")
+        if not 0.0 <= self.cos_threshold <= 1.0:
+            raise bad("cos_threshold", "use a similarity in [0, 1] (Q-GaLore: 0.4)")
+        if self.lazy_window < 1:
+            raise bad("lazy_window", "use at least 1 refresh")
+        if self.lazy_growth < 2:
+            raise bad("lazy_growth", "use an integer factor >= 2 (Q-GaLore: 2)")
+        if self.max_proj_gap is not None and self.max_proj_gap < self.update_proj_gap:
+            raise bad("max_proj_gap", f"use a value >= update_proj_gap={self.update_proj_gap}, or None")
+        if self.state_bits not in (8, 32):
+            raise bad("state_bits", "use 32 (fp32 moments) or 8 (8-bit blockwise moments)")
+        for name in ("state_block_size", "weight_group_size", "basis_group_size"):
+            value = getattr(self, name)
+            if value is not None and (value < 32 or value > 4096 or value & (value - 1)):
+                raise bad(name, "use a power of two between 32 and 4096")
+        if self.error_feedback and self.state_bits != 8:
+            raise bad("error_feedback", "error feedback applies to 8-bit state only: set state_bits=8 or drop it")
+        if not 0.0 < self.lr_scale <= 1.0:
+            raise bad("lr_scale", "use a multiplier in (0, 1] (0.8-0.9 is typical)")
+        if not 0.0 <= self.lr_recovery_fraction <= 1.0:
+            raise bad("lr_recovery_fraction", "use a fraction of training in [0, 1]")
+        if self.target_modules is not None and not isinstance(self.target_modules, (str, list, tuple)):
+            raise bad("target_modules", "use None, 'all-linear', a list of module-name suffixes or a regex string")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            try:
+                re.compile(self.target_modules)
+            except re.error as exc:
+                raise bad("target_modules", f"not a valid regular expression ({exc})") from exc
+        if isinstance(self.target_modules, (list, tuple)) and not self.target_modules:
+            raise bad("target_modules", "an empty list selects nothing; use None for the default targets")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def effective_max_proj_gap(self) -> int:
+        return self.max_proj_gap if self.max_proj_gap is not None else 8 * self.update_proj_gap
+
+    @property
+    def effective_weight_group_size(self) -> int:
+        if self.weight_group_size is not None:
+            return self.weight_group_size
+        return 64 if self.weight_storage == "nf4" else 256
+
+    @property
+    def effective_basis_group_size(self) -> int:
+        if self.basis_group_size is not None:
+            return self.basis_group_size
+        return 64 if self.basis_storage == "int4" else 256
+
+    def replace(self, **overrides: Any) -> "GaLoreConfig":
+        """A copy with some fields changed (validated)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(
+                f"unknown GaLoreConfig field(s) {sorted(unknown)}; valid fields are {sorted(self.field_names())}"
+            )
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "GaLoreConfig":
+        """The configuration of a named product, with optional overrides.
+
+        ``galore_adamw``: fp32 Adam state (GaLore, Zhao et al. 2024).
+        ``galore_adamw_8bit``: 8-bit blockwise Adam state.
+        ``qgalore_adamw_8bit``: 8-bit state, INT8 W0 with stochastic rounding, INT4 basis, lazy refresh
+        (Q-GaLore, Zhang et al. 2024).
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "galore_adamw": {},
+    "galore_adamw_8bit": {"state_bits": 8},
+    "qgalore_adamw_8bit": {
+        "state_bits": 8,
+        "weight_storage": "int8",
+        "basis_storage": "int4",
+        "stochastic_rounding": True,
+        "lazy_refresh": True,
+    },
+}

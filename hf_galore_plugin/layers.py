@@ -1,0 +1,522 @@
+"""The GaLore linear layer: GaLore as a frozen-basis reparametrization of an ``nn.Linear``.
+
+With the basis fixed, GaLore on a weight W (m x n) is Adam on a small factor B in
+
+    W = alpha * W0 + scale * B Q^T      (right basis Q: n x r, B: m x r)
+    W = alpha * W0 + scale * P B        (left basis P: m x r, B: r x n)
+    W = alpha * W0 + scale * P C Q^T    ('full': C is r x r)
+
+because dL/dB = scale * G Q, the projected gradient (G = dL/dW). W0 is frozen (plain, int8 or NF4),
+alpha is a scalar that carries decoupled weight decay of the frozen part, and the full-size weight
+gradient G is never formed in a normal step: the custom autograd function below skips the weight
+GEMM of W0 and computes only dX and dB. On a refresh step the backward also accumulates G (one
+layer at a time), and :meth:`GaLoreLinear.refresh` folds B into W0, computes the new basis and
+restarts B at zero. The effective weight is unchanged by a refresh.
+
+Step semantics (documented in README "How a step works"): the basis computed from the gradient of
+step t is used from step t+1 (one-step subspace lag; GaLore uses it at step t already). Step 0 is a
+calibration step for GaLore layers: their basis is still zero, so the factor receives a zero
+gradient (only weight decay applies), the gradient of step 0 gives the first basis, and the
+factor's optimizer state is reset so step 1 is Adam's first real step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GaLoreConfig
+from .projection import BasisError, compute_basis, resolve_sides, subspace_similarity, transport_matrix
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GaLoreLinear"]
+
+_QUANT_SCHEMES = {
+    # storage name -> (scheme, bits) of hf_galore_plugin.quant.quantize
+    "int8": ("symmetric", 8),
+    "int4": ("symmetric", 4),
+    "nf4": ("nf4", 4),
+}
+
+
+def _stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    # bf16 is the top 16 bits of fp32: adding uniform noise to the 16 discarded bits and truncating
+    # rounds up with probability equal to the discarded fraction, which makes the rounding unbiased
+    # (Gupta et al. 2015). Without it, folds smaller than half a bf16 ulp of W0 would be lost.
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, device=generator.device, dtype=torch.int32)
+    rounded = (bits + noise.to(x.device)) & ~0xFFFF
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+class _GaLoreLinearFunction(torch.autograd.Function):
+    """y = alpha * x W0^T + scale * lowrank(x) + bias, with the W0 weight-gradient GEMM skipped."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: torch.Tensor, bias: Optional[torch.Tensor], layer: "GaLoreLinear"):
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Mixed precision: compute in the autocast dtype, as nn.Linear would; backward (which runs
+            # outside autocast) then sees the same dtype.
+            x = x.to(torch.get_autocast_dtype(device_type))
+        with torch.autocast(device_type, enabled=False):
+            return _GaLoreLinearFunction._forward(ctx, x, factor, bias, layer)
+
+    @staticmethod
+    def _forward(ctx, x, factor, bias, layer):
+        base = layer.base_weight(x.dtype)
+        y = F.linear(x, base)
+        del base  # a dequantized int8/NF4 copy is freed here, one layer at a time
+        y = y * layer.base_multiplier.to(y.dtype)
+        y = y + layer._lowrank_forward(x, factor)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.layer = layer
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, factor)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, factor = ctx.saved_tensors
+        layer: GaLoreLinear = ctx.layer
+        grad_x = grad_factor = grad_bias = None
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        if ctx.needs_input_grad[0]:
+            base = layer.base_weight(grad_out.dtype)
+            grad_x = (grad_out @ base) * layer.base_multiplier.to(grad_out.dtype)
+            del base
+            grad_x = grad_x + layer._lowrank_backward_input(grad_out, factor)
+        if ctx.needs_input_grad[1]:
+            grad_factor = layer._lowrank_backward_factor(dy, x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = dy.sum(0)
+        if layer.refresh_due:
+            layer._record_gradient(dy, x2)
+        return grad_x, grad_factor, grad_bias, None
+
+
+class GaLoreLinear(nn.Module):
+    """Drop-in replacement of an ``nn.Linear`` whose weight is trained by GaLore / Q-GaLore.
+
+    Parameters: ``galore_factor`` (trainable, small) and ``bias`` (as in the original layer).
+    ``weight`` is the frozen base W0 when it is kept as loaded (same state-dict key as nn.Linear);
+    a quantized W0 lives in buffers ``weight_q_*``. Counters and bases are buffers, so a
+    ``state_dict()`` holds tensors only and restores the layer exactly.
+    """
+
+    def __init__(self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"GaLoreLinear wraps nn.Linear, got {type(base).__name__}")
+        weight = base.weight
+        if not weight.is_floating_point():
+            raise TypeError(f"GaLoreLinear needs a floating-point weight, got {weight.dtype}")
+        self.config = config
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.weight_dtype = weight.dtype  # the dtype the model was loaded in; merges return to it
+        m, n = self.out_features, self.in_features
+        has_left, has_right = resolve_sides(config.proj_type, m, n)
+        # A side whose dimension the rank covers needs no basis: the subspace is the whole space and the
+        # canonical basis makes the step exactly Adam on W (no rotation; Adam is not rotation-invariant).
+        self.left_rank = min(config.rank, m) if has_left else None
+        self.right_rank = min(config.rank, n) if has_right else None
+        self.left_identity = has_left and config.rank >= m
+        self.right_identity = has_right and config.rank >= n
+        factor_rows = self.left_rank if has_left else m
+        factor_cols = self.right_rank if has_right else n
+        device = weight.device
+
+        self.galore_factor = nn.Parameter(torch.zeros(factor_rows, factor_cols, device=device, dtype=weight.dtype))
+        self.bias = base.bias
+        if config.weight_storage == "as_loaded":
+            self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+            self._weight_meta = None
+        else:
+            self.register_parameter("weight", None)
+            self._weight_meta: Optional[dict[str, Any]] = None
+            self._store_quantized("weight_q", weight.detach(), config.weight_storage, config.effective_weight_group_size)
+
+        self._basis_meta: dict[str, Optional[dict[str, Any]]] = {"left": None, "right": None}
+        for side, rank, identity, dim in (
+            ("left", self.left_rank, self.left_identity, m),
+            ("right", self.right_rank, self.right_identity, n),
+        ):
+            if rank is not None and not identity:
+                self._set_basis(side, torch.zeros(dim, rank, device=device, dtype=torch.float32))
+
+        def buf(value, dtype):
+            return torch.tensor(value, dtype=dtype, device=device)
+
+        self.register_buffer("base_multiplier", buf(1.0, torch.float32))
+        self.register_buffer("galore_step", buf(0, torch.int64))
+        self.register_buffer("galore_last_refresh", buf(-1, torch.int64))
+        self.register_buffer("galore_num_refreshes", buf(0, torch.int64))
+        self.register_buffer("galore_gap", buf(config.update_proj_gap, torch.int64))
+        self.register_buffer("galore_agree_count", buf(0, torch.int64))
+        self.register_buffer("galore_last_similarity", buf(float("nan"), torch.float32))
+        # Randomness (stochastic rounding, randomized SVD) comes from (seed, layer, counter): the same on
+        # every data-parallel rank, device independent, and exactly restored from a checkpoint.
+        self.register_buffer("galore_seed", buf(config.seed * 1_000_003 + layer_index, torch.int64))
+        self.register_buffer("galore_rng_counter", buf(0, torch.int64))
+        self._pending_grad: Optional[torch.Tensor] = None
+        self._refresh_due_cache: Optional[bool] = None
+
+    # ------------------------------------------------------------------ storage helpers
+    def _store_quantized(self, prefix: str, value: torch.Tensor, storage: str, group_size: int) -> None:
+        from .quant import quantize
+
+        scheme, bits = _QUANT_SCHEMES[storage]
+        stochastic = self.config.stochastic_rounding and prefix == "weight_q" and hasattr(self, "galore_seed")
+        qt = quantize(
+            value,
+            scheme=scheme,
+            bits=bits,
+            block_size=group_size,
+            stochastic=stochastic,
+            generator=self._next_generator(value.device) if stochastic else None,
+        )
+        tensors, meta = qt.to_state()
+        for key, tensor in tensors.items():
+            name = f"{prefix}_{key}"
+            if name in self._buffers:
+                self._buffers[name] = tensor
+            else:
+                self.register_buffer(name, tensor)
+        if prefix == "weight_q":
+            self._weight_meta = meta
+        else:
+            self._basis_meta[prefix.rsplit("_", 1)[1]] = meta
+
+    def _load_quantized(self, prefix: str, meta: dict[str, Any]):
+        from .quant import QuantizedTensor
+
+        start = len(prefix) + 1
+        tensors = {name[start:]: t for name, t in self._buffers.items() if name.startswith(prefix + "_")}
+        return QuantizedTensor.from_state(tensors, meta)
+
+    def _next_generator(self, device: torch.device) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(self.galore_seed) * 1_000_033 + int(self.galore_rng_counter))
+        self.galore_rng_counter += 1
+        return generator
+
+    def base_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """W0 (without the decay multiplier) in `dtype`; a fresh dequantized copy for int8/NF4."""
+        dtype = dtype or self.weight_dtype
+        if self.weight is not None:
+            return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        return self._load_quantized("weight_q", self._weight_meta).dequantize(dtype)
+
+    def _set_basis(self, side: str, basis: torch.Tensor) -> None:
+        storage = self.config.basis_storage
+        name = f"galore_basis_{side}"
+        if storage == "as_computed":
+            # Stored in the model's dtype (fp32 for fp32 models) to keep a bf16 model's bases small.
+            value = basis.to(self.weight_dtype)
+            if name in self._buffers:
+                self._buffers[name] = value
+            else:
+                self.register_buffer(name, value)
+        else:
+            self._store_quantized(name, basis, storage, self.config.effective_basis_group_size)
+
+    def basis(self, side: str, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+        """The basis of `side` ('left' P: m x r, 'right' Q: n x r); None for no basis or the identity."""
+        rank = self.left_rank if side == "left" else self.right_rank
+        identity = self.left_identity if side == "left" else self.right_identity
+        if rank is None or identity:
+            return None
+        dtype = dtype or self.weight_dtype
+        if self.config.basis_storage == "as_computed":
+            return self._buffers[f"galore_basis_{side}"].to(dtype)
+        return self._load_quantized(f"galore_basis_{side}", self._basis_meta[side]).dequantize(dtype)
+
+    # ------------------------------------------------------------------ low-rank branch
+    def _lowrank_forward(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        p, q = self.basis("left", x.dtype), self.basis("right", x.dtype)
+        h = x if q is None else x @ q
+        h = h @ factor.to(x.dtype).mT
+        if p is not None:
+            h = h @ p.mT
+        return h * self.config.scale
+
+    def _lowrank_backward_input(self, dy: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        p, q = self.basis("left", dy.dtype), self.basis("right", dy.dtype)
+        h = dy if p is None else dy @ p
+        h = h @ factor.to(dy.dtype)
+        if q is not None:
+            h = h @ q.mT
+        return h * self.config.scale
+
+    def _lowrank_backward_factor(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # dB = scale * P^T G Q with G = dy^T x, evaluated right-to-left so no m x n tensor is formed.
+        p, q = self.basis("left", dy.dtype), self.basis("right", dy.dtype)
+        a = dy if p is None else dy @ p  # (N, r_left or m)
+        b = x if q is None else x @ q  # (N, r_right or n)
+        return (a.mT @ b).to(self.galore_factor.dtype) * self.config.scale
+
+    def lowrank_delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """scale * (P) B (Q^T) as an m x n tensor (formed only when merging or refreshing)."""
+        p, q = self.basis("left", dtype), self.basis("right", dtype)
+        delta = self.galore_factor.detach().to(dtype)
+        if q is not None:
+            delta = delta @ q.mT
+        if p is not None:
+            delta = p @ delta
+        return delta * self.config.scale
+
+    def effective_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """alpha * W0 + scale * lowrank(B): the weight the layer computes with, in fp32 by default."""
+        w = self.base_weight(torch.float32) * self.base_multiplier + self.lowrank_delta(torch.float32)
+        return w.to(dtype or torch.float32)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GaLoreLinearFunction.apply(x, self.galore_factor, self.bias, self)
+
+    def extra_repr(self) -> str:
+        sides = []
+        if self.left_rank is not None:
+            sides.append(f"left_rank={self.left_rank}{' (identity)' if self.left_identity else ''}")
+        if self.right_rank is not None:
+            sides.append(f"right_rank={self.right_rank}{' (identity)' if self.right_identity else ''}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"{', '.join(sides)}, weight_storage={self.config.weight_storage}, basis_storage={self.config.basis_storage}"
+        )
+
+    # ------------------------------------------------------------------ refresh
+    @property
+    def needs_basis(self) -> bool:
+        return (self.left_rank is not None and not self.left_identity) or (
+            self.right_rank is not None and not self.right_identity
+        )
+
+    @property
+    def calibrated(self) -> bool:
+        return not self.needs_basis or int(self.galore_num_refreshes) > 0
+
+    @property
+    def refresh_due(self) -> bool:
+        """True while the current step's backward must record the layer gradient for a new basis.
+
+        Cached as a Python bool (reading the counter buffers costs a device sync per layer on GPU);
+        the cache is dropped whenever the counters change (step, refresh, load_state_dict).
+        """
+        if self._refresh_due_cache is None:
+            self._refresh_due_cache = self._compute_refresh_due()
+        return self._refresh_due_cache
+
+    def _compute_refresh_due(self) -> bool:
+        if not self.needs_basis:
+            return False
+        if not self.calibrated:
+            return True
+        return int(self.galore_step) - int(self.galore_last_refresh) >= int(self.galore_gap)
+
+    def _record_gradient(self, dy: torch.Tensor, x: torch.Tensor) -> None:
+        # Accumulates over micro-batches (gradient accumulation, or several forwards in one step).
+        g = dy.to(torch.float32).mT @ x.to(torch.float32)
+        if self._pending_grad is None:
+            self._pending_grad = g
+        else:
+            self._pending_grad += g
+
+    def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
+        """Advance the layer's step counter and refresh the basis if this step recorded a gradient.
+
+        Returns the subspace similarity of a refresh (NaN for the first basis), or None.
+        """
+        similarity = None
+        if self.refresh_due:
+            if self._pending_grad is None:
+                warnings.warn(
+                    f"GaLore layer {self.out_features}x{self.in_features}: a basis refresh was due but no "
+                    "backward ran through the layer this step; the refresh moves to the next step",
+                    stacklevel=3,
+                )
+            else:
+                similarity = self.refresh(optimizer)
+        self.galore_step += 1
+        self._refresh_due_cache = None
+        return similarity
+
+    @torch.no_grad()
+    def refresh(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
+        """Fold the factor into W0, compute the new basis from the recorded gradient, adapt the gap."""
+        grad = self._pending_grad
+        self._pending_grad = None
+        if grad is None:
+            raise RuntimeError("GaLoreLinear.refresh() needs the gradient recorded during a refresh step's backward")
+        grad = _all_reduce_mean(grad)
+        first = not self.calibrated
+        new_bases: dict[str, torch.Tensor] = {}
+        try:
+            for side in ("left", "right"):
+                rank = self.left_rank if side == "left" else self.right_rank
+                identity = self.left_identity if side == "left" else self.right_identity
+                if rank is None or identity:
+                    continue
+                generator = (
+                    self._next_generator(grad.device) if self.config.basis_method == "randomized" else None
+                )
+                new_bases[side] = compute_basis(
+                    grad,
+                    side=side,
+                    rank=rank,
+                    method=self.config.basis_method,
+                    oversampling=self.config.oversampling,
+                    power_iterations=self.config.power_iterations,
+                    generator=generator,
+                )
+        except BasisError as exc:
+            # Never stop training for a bad basis: keep the old one, try again after one more gap.
+            warnings.warn(f"GaLore basis refresh failed ({exc}); keeping the previous basis", stacklevel=3)
+            self.galore_last_refresh.fill_(int(self.galore_step))
+            return None
+
+        old_bases = {side: self.basis(side, torch.float32) for side in new_bases}
+        self._fold_factor_into_base()
+        for side, basis in new_bases.items():
+            self._set_basis(side, basis)
+        stored = {side: self.basis(side, torch.float32) for side in new_bases}
+
+        similarity = float("nan")
+        if not first:
+            similarity = sum(subspace_similarity(old_bases[s], stored[s]) for s in stored) / len(stored)
+            self._update_lazy_gap(similarity)
+        self.galore_last_similarity.fill_(similarity)
+        if optimizer is not None:
+            if first or self.config.moment_handling == "reset":
+                _reset_state(optimizer, self.galore_factor)
+            elif self.config.moment_handling == "project":
+                self._transport_moments(optimizer, old_bases, stored)
+        self.galore_last_refresh.fill_(int(self.galore_step))
+        self.galore_num_refreshes += 1
+        return similarity
+
+    def _fold_factor_into_base(self) -> None:
+        merged = self.effective_weight(torch.float32)
+        if self.weight is not None:
+            if self.weight.dtype == torch.bfloat16 and self.config.stochastic_rounding:
+                self.weight.data = _stochastic_round_to_bf16(merged, self._next_generator(merged.device))
+            else:
+                self.weight.data = merged.to(self.weight.dtype)
+        else:
+            self._store_quantized(
+                "weight_q", merged, self.config.weight_storage, self.config.effective_weight_group_size
+            )
+        self.base_multiplier.fill_(1.0)
+        self.galore_factor.data.zero_()
+
+    def _update_lazy_gap(self, similarity: float) -> None:
+        # Q-GaLore (Zhang et al. 2024, Sec. 3.3): layers whose subspace stopped moving refresh less often.
+        if not self.config.lazy_refresh:
+            return
+        if similarity >= self.config.cos_threshold:
+            self.galore_agree_count += 1
+        else:
+            self.galore_agree_count.zero_()
+        if int(self.galore_agree_count) >= self.config.lazy_window:
+            grown = min(int(self.galore_gap) * self.config.lazy_growth, self.config.effective_max_proj_gap)
+            self.galore_gap.fill_(grown)
+            self.galore_agree_count.zero_()
+
+    def _transport_moments(self, optimizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+        # First moment: exact change of coordinates (it is a linear function of past projected
+        # gradients). Second moment: no exact transport exists for an elementwise statistic; mapping it
+        # with the squared transport matrix keeps it non-negative and exact for permutations/sign flips.
+        t_left = transport_matrix(old["left"], new["left"]) if "left" in new else None
+        t_right = transport_matrix(old["right"], new["right"]) if "right" in new else None
+
+        def transport(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
+            if t_left is not None:
+                exp_avg = t_left.mT @ exp_avg
+                exp_avg_sq = t_left.square().mT @ exp_avg_sq
+            if t_right is not None:
+                exp_avg = exp_avg @ t_right
+                exp_avg_sq = exp_avg_sq @ t_right.square()
+            return exp_avg, exp_avg_sq
+
+        _transform_state(optimizer, self.galore_factor, transport)
+
+    # ------------------------------------------------------------------ accounting
+    def quantization_error(self) -> dict[str, float]:
+        """Relative RMS error of the quantized W0 / bases against their fp32 values (0 when not quantized)."""
+        errors: dict[str, float] = {}
+        if self.weight is None:
+            # The exact W0 is not kept; measure the error of requantizing the dequantized value.
+            from .quant import quantize
+
+            w = self.base_weight(torch.float32)
+            scheme, bits = _QUANT_SCHEMES[self.config.weight_storage]
+            rq = quantize(w, scheme=scheme, bits=bits, block_size=self.config.effective_weight_group_size)
+            errors["weight"] = _relative_rms(rq.dequantize(torch.float32), w)
+        return errors
+
+    def state_nbytes(self) -> dict[str, int]:
+        """Exact bytes of the layer's tensors by role."""
+        weight = sum(t.numel() * t.element_size() for n, t in self._buffers.items() if n.startswith("weight_q_"))
+        if self.weight is not None:
+            weight += self.weight.numel() * self.weight.element_size()
+        basis = sum(t.numel() * t.element_size() for n, t in self._buffers.items() if n.startswith("galore_basis_"))
+        factor = self.galore_factor.numel() * self.galore_factor.element_size()
+        bias = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
+        return {"weight": weight, "basis": basis, "factor": factor, "bias": bias}
+
+    # ------------------------------------------------------------------ state dict
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        # Quantized parts may change shape between save and load only if the config changed: make the
+        # buffers match what is being loaded so a resume restores them bit-exactly.
+        for name in list(self._buffers):
+            key = prefix + name
+            if key in state_dict and self._buffers[name] is not None and state_dict[key].shape != self._buffers[name].shape:
+                self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
+        self._refresh_due_cache = None
+        self._pending_grad = None
+
+
+def _relative_rms(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    denom = exact.square().mean().sqrt().clamp_min(1e-30)
+    return float((approx - exact).square().mean().sqrt() / denom)
+
+
+def _all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    # Data-parallel ranks see different micro-batches; averaging makes every rank compute the same basis
+    # from the same global gradient (the one DDP/FSDP/ZeRO average for the parameters).
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world > 1:
+            torch.distributed.all_reduce(tensor)
+            tensor /= world
+    return tensor
+
+
+def _reset_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
+    if hasattr(optimizer, "reset_state"):
+        optimizer.reset_state(param)
+    else:
+        optimizer.state.pop(param, None)
+
+
+def _transform_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, fn) -> None:
+    if hasattr(optimizer, "transform_state"):
+        optimizer.transform_state(param, fn)
+        return
+    state = optimizer.state.get(param)
+    if not state or "exp_avg" not in state or "exp_avg_sq" not in state:
+        return
+    exp_avg, exp_avg_sq = fn(state["exp_avg"].float(), state["exp_avg_sq"].float())
+    state["exp_avg"].copy_(exp_avg)
+    state["exp_avg_sq"].copy_(exp_avg_sq)

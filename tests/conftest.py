@@ -1,0 +1,12 @@
+"""Test-session setup.
+
+Triton kernels run on CPU only through the interpreter, and the variable must be set before
+any `@triton.jit` function is defined, so it is set here, before test modules import kernels.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,361 @@
+"""Core GaLore layer, refresh and optimizer wiring, against a dense reference and torch AdamW."""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hf_galore_plugin import (
+    GaLoreConfig,
+    GaLoreLinear,
+    after_step,
+    create_optimizer,
+    galore_layers,
+    merge_and_unload,
+    merged_state_dict,
+    prepare_model,
+)
+
+from _reference import DenseGaLore
+
+
+def _batches(n_in, n_out, steps, *, batch=32, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randn(n_out, n_in, generator=gen)
+    for _ in range(steps):
+        x = torch.randn(batch, n_in, generator=gen)
+        yield x.to(dtype), (x @ target.T).to(dtype)
+
+
+def _single_linear(n_in, n_out, *, bias=False, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(n_in, n_out, bias=bias)).to(dtype)
+
+
+def _train(model, optimizer, batches, *, on_step=None):
+    losses = []
+    for x, y in batches:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        after_step(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if on_step:
+            on_step()
+    return losses
+
+
+# ---------------------------------------------------------------------------------------------- layer math
+@pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right", "full"])
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24), (20, 20)])
+def test_forward_and_gradients_match_dense_linear(proj_type, shape):
+    m, n = shape
+    torch.manual_seed(0)
+    dense = nn.Linear(n, m)
+    model = prepare_model(nn.Sequential(nn.Linear(n, m)), GaLoreConfig(rank=4, proj_type=proj_type))
+    model[0].load_state_dict({**model[0].state_dict(), "weight": dense.weight.detach(), "bias": dense.bias.detach()})
+    layer = model[0]
+    # a non-trivial state: random orthonormal bases, random factor, decayed base
+    for side in ("left", "right"):
+        if layer.basis(side) is not None:
+            dim = m if side == "left" else n
+            layer._set_basis(side, torch.linalg.qr(torch.randn(dim, 4))[0])
+    with torch.no_grad():
+        layer.galore_factor.normal_()
+        layer.base_multiplier.fill_(0.9)
+        eff = layer.effective_weight()
+        dense.weight.copy_(eff)
+    x = torch.randn(3, 5, n, requires_grad=True)
+    x_dense = x.detach().clone().requires_grad_(True)
+    y, y_dense = layer(x), dense(x_dense)
+    torch.testing.assert_close(y, y_dense, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_dense.backward(dy)
+    torch.testing.assert_close(x.grad, x_dense.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.bias.grad, dense.bias.grad, rtol=1e-5, atol=1e-5)
+    # dL/dB = scale * P^T G Q, the projected full gradient
+    p, q = layer.basis("left"), layer.basis("right")
+    projected = dense.weight.grad
+    if p is not None:
+        projected = p.T @ projected
+    if q is not None:
+        projected = projected @ q
+    torch.testing.assert_close(layer.galore_factor.grad, layer.config.scale * projected, rtol=1e-5, atol=1e-5)
+    assert layer.weight.grad is None  # the W0 weight-gradient GEMM is skipped
+
+
+@pytest.mark.parametrize("proj_type", ["std", "full"])
+def test_refresh_leaves_effective_weight_unchanged(proj_type):
+    model = prepare_model(_single_linear(16, 24), GaLoreConfig(rank=4, proj_type=proj_type, update_proj_gap=2))
+    optimizer = create_optimizer(model, lr=1e-2, weight_decay=0.1)
+    layer = model[0]
+    batches = list(_batches(16, 24, 6))
+    for i, (x, y) in enumerate(batches):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        before = layer.effective_weight().clone()
+        due = layer.refresh_due
+        after_step(model, optimizer)
+        optimizer.zero_grad()
+        if due and i > 0:
+            assert float(layer.galore_factor.abs().max()) == 0.0  # folded
+            torch.testing.assert_close(layer.effective_weight(), before, rtol=1e-6, atol=1e-7)
+    assert int(layer.galore_num_refreshes) == 3  # steps 0 (calibration), 2, 4
+
+
+# ---------------------------------------------------------------------------------------------- oracles
+@pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right", "full"])
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24), (20, 20)])
+@pytest.mark.parametrize("moment_handling", ["keep", "project", "reset"])
+def test_matches_dense_reference_galore(proj_type, shape, moment_handling):
+    m, n = shape
+    config = GaLoreConfig(rank=4, proj_type=proj_type, update_proj_gap=3, scale=0.25, moment_handling=moment_handling)
+    model = prepare_model(_single_linear(n, m), config)
+    reference = DenseGaLore(model[0].weight, config, lr=1e-2, weight_decay=0.1)
+    optimizer = create_optimizer(model, lr=1e-2, weight_decay=0.1)
+    steps = 13  # refreshes at 0 (calibration), 3, 6, 9, 12
+    for x, y in _batches(n, m, steps):
+        w = reference.w.float().requires_grad_(True)
+        torch.nn.functional.mse_loss(x @ w.T, y).backward()
+        reference.step(w.grad)
+    _train(model, optimizer, _batches(n, m, steps))
+    assert int(model[0].galore_num_refreshes) == 5
+    ours = model[0].effective_weight().double()
+    rel = float((ours - reference.w).norm() / reference.w.norm())
+    assert rel < 1e-5, f"relative deviation from the dense reference {rel:.2e}"
+    moved = float((reference.w - model[0].weight.double()).norm())  # sanity: training moved the weight
+    assert moved > 0
+
+
+def test_full_rank_basis_reproduces_torch_adamw():
+    # rank >= the projected side: the subspace is the whole space and GaLore is AdamW on W (scale 1).
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(8, 24, bias=True))
+    model = nn.Sequential(nn.Linear(8, 24, bias=True))
+    model.load_state_dict(dense.state_dict())
+    prepare_model(model, GaLoreConfig(rank=8, scale=1.0, target_modules=["0"]))
+    assert model[0].right_identity
+    ours = create_optimizer(model, lr=3e-3, weight_decay=0.05)
+    theirs = torch.optim.AdamW(dense.parameters(), lr=3e-3, weight_decay=0.05)
+    for x, y in _batches(8, 24, 30):
+        for mod, opt in ((model, ours), (dense, theirs)):
+            torch.nn.functional.mse_loss(mod(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        after_step(model, ours)
+    torch.testing.assert_close(model[0].effective_weight(), dense[0].weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model[0].bias, dense[0].bias, rtol=1e-5, atol=1e-6)
+
+
+def test_calibration_step_only_decays_then_adam_starts():
+    model = prepare_model(_single_linear(16, 24), GaLoreConfig(rank=4, update_proj_gap=5))
+    w0 = model[0].weight.detach().clone()
+    optimizer = create_optimizer(model, lr=1e-2, weight_decay=0.1)
+    _train(model, optimizer, _batches(16, 24, 1))
+    torch.testing.assert_close(model[0].effective_weight(), w0 * (1 - 1e-2 * 0.1))
+    assert model[0].calibrated and not optimizer.state.get(model[0].galore_factor)
+
+
+def test_gradient_accumulation_equals_full_batch():
+    results = []
+    for micro in (1, 2):
+        model = prepare_model(_single_linear(16, 24), GaLoreConfig(rank=4, update_proj_gap=2))
+        optimizer = create_optimizer(model, lr=1e-2)
+        for x, y in _batches(16, 24, 5):
+            for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+                (torch.nn.functional.mse_loss(model(xs), ys) / micro).backward()
+            optimizer.step()
+            after_step(model, optimizer)
+            optimizer.zero_grad()
+        results.append(model[0].effective_weight())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
+def test_basis_failure_keeps_old_basis_and_training_goes_on():
+    model = prepare_model(_single_linear(16, 24), GaLoreConfig(rank=4, update_proj_gap=1))
+    optimizer = create_optimizer(model, lr=1e-2)
+    _train(model, optimizer, _batches(16, 24, 2))
+    layer = model[0]
+    basis = layer.basis("right").clone()
+    x, y = next(_batches(16, 24, 1, seed=3))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    layer._pending_grad[0, 0] = float("nan")
+    optimizer.step()
+    with pytest.warns(UserWarning, match="refresh failed"):
+        after_step(model, optimizer)
+    torch.testing.assert_close(layer.basis("right"), basis)
+    losses = _train(model, optimizer, _batches(16, 24, 3, seed=4))
+    assert all(math.isfinite(v) for v in losses)
+
+
+def test_lazy_refresh_grows_gap_when_subspace_is_stable():
+    config = GaLoreConfig(rank=2, update_proj_gap=1, lazy_refresh=True, lazy_window=2, cos_threshold=0.4, max_proj_gap=4)
+    model = prepare_model(_single_linear(16, 24), config)
+    optimizer = create_optimizer(model, lr=1e-3)
+    # the same batch every step: the gradient's top subspace barely moves, similarity ~1
+    x, y = next(_batches(16, 24, 1))
+    gaps = []
+    for _ in range(14):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        after_step(model, optimizer)
+        optimizer.zero_grad()
+        gaps.append(int(model[0].galore_gap))
+    assert gaps[0] == 1 and max(gaps) == 4 and gaps == sorted(gaps)
+    assert float(model[0].galore_last_similarity) > 0.4
+
+
+# ---------------------------------------------------------------------------------------------- targets
+class _TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.block = nn.ModuleDict({"q_proj": nn.Linear(32, 32), "up": nn.Linear(32, 64), "tiny": nn.Linear(32, 4)})
+        self.norm = nn.LayerNorm(32)
+        self.lm_head = nn.Linear(32, 50, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = self.block["q_proj"](h) + self.block["up"](h)[..., :32] + self.block["tiny"](h).sum(-1, keepdim=True)
+        return self.lm_head(self.norm(h))
+
+
+def test_default_targets_skip_head_small_and_non_linear_layers():
+    model = prepare_model(_TinyLM(), GaLoreConfig(rank=8))
+    names = [n for n, _ in galore_layers(model)]
+    assert names == ["block.q_proj", "block.up"]
+    assert model.galore_report.skipped == {"block.tiny": "smaller side <= rank 8", "lm_head": "output head"}
+    assert isinstance(model.embed, nn.Embedding) and isinstance(model.norm, nn.LayerNorm)
+
+
+def test_explicit_targets_regex_and_list():
+    assert [n for n, _ in galore_layers(prepare_model(_TinyLM(), GaLoreConfig(rank=8, target_modules=r".*\.up")))] == [
+        "block.up"
+    ]
+    assert [n for n, _ in galore_layers(prepare_model(_TinyLM(), GaLoreConfig(rank=8, target_modules=["q_proj"])))] == [
+        "block.q_proj"
+    ]
+
+
+def test_target_errors_name_the_fix():
+    with pytest.raises(ValueError, match="matched no trainable nn.Linear"):
+        prepare_model(_TinyLM(), GaLoreConfig(rank=8, target_modules=["does_not_exist"]))
+    with pytest.raises(ValueError, match="Lower `rank`"):
+        prepare_model(_TinyLM(), GaLoreConfig(rank=64))
+    with pytest.raises(ValueError, match="at least both sides"):
+        prepare_model(_TinyLM(), GaLoreConfig(rank=64, target_modules=["q_proj"]))
+    frozen = _TinyLM().requires_grad_(False)
+    with pytest.raises(ValueError, match="no nn.Linear layer"):
+        prepare_model(frozen, GaLoreConfig(rank=8))
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("rank", 0, "positive rank"),
+        ("update_proj_gap", 0, "positive number of steps"),
+        ("proj_type", "diagonal", "choose one of"),
+        ("state_bits", 4, "use 32"),
+        ("scale", -1.0, "positive float"),
+        ("state_block_size", 100, "power of two"),
+        ("cos_threshold", 1.5, r"\[0, 1\]"),
+    ],
+)
+def test_config_rejects_bad_values(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        GaLoreConfig(**{field: value})
+
+
+def test_preset_names_and_overrides():
+    q = GaLoreConfig.preset("qgalore_adamw_8bit", rank=64)
+    assert (q.rank, q.state_bits, q.weight_storage, q.basis_storage, q.lazy_refresh) == (64, 8, "int8", "int4", True)
+    assert GaLoreConfig.preset("galore_adamw_8bit").state_bits == 8
+    with pytest.raises(ValueError, match="unknown preset"):
+        GaLoreConfig.preset("adam")
+
+
+# ---------------------------------------------------------------------------------------------- merge
+@pytest.mark.parametrize("preset", ["galore_adamw", "qgalore_adamw_8bit"])
+def test_merge_and_unload_gives_plain_linear_with_same_outputs(preset):
+    model = prepare_model(_TinyLM(), GaLoreConfig.preset(preset, rank=8, update_proj_gap=2))
+    optimizer = create_optimizer(model, lr=1e-2)
+    ids = torch.randint(0, 50, (4, 6))
+    for _ in range(4):
+        model(ids).logsumexp(-1).mean().backward()
+        optimizer.step()
+        after_step(model, optimizer)
+        optimizer.zero_grad()
+    with torch.no_grad():
+        expected = model(ids)
+    state = merged_state_dict(model)
+    merge_and_unload(model)
+    assert not any(isinstance(m, GaLoreLinear) for m in model.modules())
+    assert not hasattr(model, "galore_config")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+    fresh = _TinyLM()
+    fresh.load_state_dict(state)  # plain keys only: loads into the unmodified architecture
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_base_and_int4_basis_are_small_and_close():
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 512)
+    model = prepare_model(nn.Sequential(linear), GaLoreConfig.preset("qgalore_adamw_8bit", rank=16))
+    layer = model[0]
+    nbytes = layer.state_nbytes()
+    assert nbytes["weight"] < 0.3 * linear.weight.numel() * 4  # 1 byte + a scale per 256 values vs fp32
+    rel = float((layer.base_weight(torch.float32) - linear.weight).norm() / linear.weight.norm())
+    assert rel < 0.01  # int8 absmax in blocks of 256: ~0.4% RMS for Gaussian-like weights
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def _checkpoint(model, optimizer):
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("preset", ["galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"])
+def test_resume_is_bit_exact(preset):
+    config = GaLoreConfig.preset(preset, rank=8, update_proj_gap=3, lazy_window=1, max_proj_gap=12)
+
+    def build():
+        torch.manual_seed(0)
+        model = prepare_model(_TinyLM(), config)
+        return model, create_optimizer(model, lr=1e-2, weight_decay=0.01)
+
+    data = [torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(i)) for i in range(30)]
+
+    def run(model, optimizer, batches):
+        for ids in batches:
+            model(ids).logsumexp(-1).mean().backward()
+            optimizer.step()
+            after_step(model, optimizer)
+            optimizer.zero_grad()
+
+    model, optimizer = build()
+    run(model, optimizer, data)
+    uninterrupted = model.state_dict()
+
+    model, optimizer = build()
+    run(model, optimizer, data[:10])
+    saved = _checkpoint(model, optimizer)
+    model, optimizer = build()
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    run(model, optimizer, data[10:])
+    resumed = model.state_dict()
+    assert int(galore_layers(model)[0][1].galore_num_refreshes) >= 3
+    assert resumed.keys() == uninterrupted.keys()
+    for key in resumed:
+        assert torch.equal(resumed[key], uninterrupted[key]), key
