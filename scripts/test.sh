@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run the whole test suite in the project's virtual environment (created on first use).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k quant`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck disable=SC1091
+source scripts/env.sh
+python -m pytest tests -ra --durations=15 "$@"
+if [ -f scripts/test_transformers_457.sh ] && [ "${HF_GALORE_SKIP_TF457:-0}" != "1" ] && [ "$#" -eq 0 ]; then
+  # The optimizer-name registration must also work on the 4.57 line of transformers (second venv).
+  bash scripts/test_transformers_457.sh
+fi
