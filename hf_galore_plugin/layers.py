@@ -187,15 +187,22 @@ class GaLoreLinear(nn.Module):
         )
         tensors, meta = qt.to_state()
         for key, tensor in tensors.items():
-            name = f"{prefix}_{key}"
-            if name in self._buffers:
-                self._buffers[name] = tensor
-            else:
-                self.register_buffer(name, tensor)
+            self._assign_buffer(f"{prefix}_{key}", tensor)
         if prefix == "weight_q":
             self._weight_meta = meta
         else:
             self._basis_meta[prefix.rsplit("_", 1)[1]] = meta
+
+    def _assign_buffer(self, name: str, value: torch.Tensor) -> None:
+        # In place when the shape allows: engines (DDP's buffer broadcast, FSDP) keep references to
+        # the buffer tensors they saw at wrap time.
+        current = self._buffers.get(name)
+        if current is None:
+            self.register_buffer(name, value)
+        elif current.shape == value.shape and current.dtype == value.dtype:
+            current.copy_(value)
+        else:
+            self._buffers[name] = value
 
     def _load_quantized(self, prefix: str, meta: dict[str, Any]):
         from .quant import QuantizedTensor
@@ -222,11 +229,7 @@ class GaLoreLinear(nn.Module):
         name = f"galore_basis_{side}"
         if storage == "as_computed":
             # Stored in the model's dtype (fp32 for fp32 models) to keep a bf16 model's bases small.
-            value = basis.to(self.weight_dtype)
-            if name in self._buffers:
-                self._buffers[name] = value
-            else:
-                self.register_buffer(name, value)
+            self._assign_buffer(name, basis.to(self.weight_dtype))
         else:
             self._store_quantized(name, basis, storage, self.config.effective_basis_group_size)
 
@@ -385,7 +388,7 @@ class GaLoreLinear(nn.Module):
             self.galore_last_refresh.fill_(int(self.galore_step))
             return None
 
-        old_bases = {side: self.basis(side, torch.float32) for side in new_bases}
+        old_bases = {side: self.basis(side, torch.float32).clone() for side in new_bases}
         self._fold_factor_into_base()
         for side, basis in new_bases.items():
             self._set_basis(side, basis)
