@@ -1,0 +1,199 @@
+"""``GaLoreCallback``: refresh schedule, learning-rate scale, logging and checkpoint state for ``Trainer``.
+
+Order of events in one optimizer step of ``Trainer._inner_training_loop`` (transformers 4.57 and
+5.24 alike)::
+
+    on_step_begin -> forward/backward (x gradient_accumulation_steps) -> clip -> on_pre_optimizer_step
+    -> optimizer.step() -> on_optimizer_step -> lr_scheduler.step() -> global_step += 1 -> on_step_end
+    -> log / evaluate / save (on_log, on_evaluate, on_save)
+
+``after_step`` runs in ``on_step_end``: once per optimizer step (never per micro-batch), after the
+update it belongs to, and before a checkpoint of that step is written, so a checkpoint always holds
+the state after the refresh. The scheduler has already moved to the next step's learning rate by
+then; a refresh does not read the learning rate, so this order does not matter to it. A step the
+optimizer skipped (fp16 loss-scale overflow, ``step_was_skipped``) is not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+from transformers import TrainerCallback
+
+import hf_galore_plugin as hgp
+
+from ..config import GaLoreConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GaLoreCallback", "GALORE_STATE_NAME", "unwrap_optimizer", "galore_model_of"]
+
+GALORE_STATE_NAME = "galore_state.pt"
+LOG_PREFIX = "galore/"
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The innermost torch optimizer under accelerate's / DeepSpeed's wrappers (``.optimizer`` chains).
+
+    accelerate's ``AcceleratedOptimizer`` mirrors ``param_groups`` but has no hook registries of its
+    own; hooks and ``after_step`` need the optimizer that really steps.
+    """
+    while True:
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
+            return optimizer
+        optimizer = inner
+
+
+def galore_model_of(model: Any) -> Any:
+    """The module holding ``galore_config`` under DDP/compile/peft wrappers, or None."""
+    for candidate in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
+        if candidate is not None and getattr(candidate, "galore_config", None) is not None:
+            return candidate
+    for module in model.modules():
+        if getattr(module, "galore_config", None) is not None:
+            return module
+    return None
+
+
+class GaLoreCallback(TrainerCallback):
+    """Drives a GaLore-prepared model inside ``Trainer``.
+
+    Attached automatically when ``TrainingArguments.optim`` is one of the plugin's names. Pass it
+    yourself (``Trainer(..., callbacks=[GaLoreCallback(config)], optimizers=(my_optimizer, None))``)
+    when you build the optimizer with :func:`hf_galore_plugin.create_optimizer`; without a config
+    it uses the model's ``galore_config``.
+
+    - ``on_step_end``: :func:`hf_galore_plugin.after_step` (per-layer step counters, refreshes);
+    - learning-rate scale of the GaLore groups (``lr_scale``, recovering linearly to 1.0 over
+      ``lr_recovery_fraction`` of ``max_steps``);
+    - ``on_log``: refresh events, subspace similarity, gaps, state bytes, quantization error;
+    - ``on_save``: ``galore_state.pt`` (``galore_state_dict``) in the checkpoint folder; the
+      integration restores it after the Trainer loads a checkpoint's weights.
+    """
+
+    def __init__(self, config: Optional[GaLoreConfig] = None) -> None:
+        self.config = config
+        self.lr_multiplier = config.lr_scale if config is not None else 1.0
+        self._refreshes_since_log: list[str] = []
+        self._similarities_since_log: list[float] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _config(self, model: Any) -> GaLoreConfig:
+        if self.config is None:
+            prepared = galore_model_of(model)
+            if prepared is None:
+                raise ValueError(
+                    "GaLoreCallback needs a GaLore-prepared model (hf_galore_plugin.prepare_model) or a "
+                    "GaLoreConfig: GaLoreCallback(config)"
+                )
+            self.config = prepared.galore_config
+        return self.config
+
+    def multiplier_at(self, global_step: int, max_steps: int) -> float:
+        """lr multiplier of the GaLore groups for the optimizer step that follows `global_step` steps."""
+        config = self.config
+        if config.lr_recovery_fraction <= 0 or max_steps <= 0:
+            return config.lr_scale
+        progress = min(1.0, global_step / (config.lr_recovery_fraction * max_steps))
+        return config.lr_scale + (1.0 - config.lr_scale) * progress
+
+    def _install_lr_hooks(self, optimizer: Any) -> None:
+        # Why hooks rather than rescaling the groups' lr / the scheduler's base lrs once: every
+        # scheduler (LambdaLR, cosine with restarts, ReduceLROnPlateau, a user's own) rewrites
+        # group["lr"] from its own state, and the recovery to 1.0 changes the factor every step.
+        # Scaling inside optimizer.step() and restoring the exact previous float afterwards keeps
+        # the scheduler, the logged learning rate and the checkpointed optimizer state equal to
+        # the user's, so resume stays bit-exact.
+        inner = unwrap_optimizer(optimizer)
+        if getattr(inner, "_galore_lr_hooks_installed", None) is self:
+            return
+        saved: list[tuple[dict, Any]] = []
+
+        def scale_lr(opt, args, kwargs):
+            saved.clear()
+            for group in opt.param_groups:
+                if group.get("galore", False):
+                    saved.append((group, group["lr"]))
+                    group["lr"] = group["lr"] * self.lr_multiplier
+
+        def restore_lr(opt, args, kwargs):
+            for group, lr in saved:
+                group["lr"] = lr
+            saved.clear()
+
+        if not any(group.get("galore", False) for group in inner.param_groups):
+            logger.warning(
+                "GaLoreCallback: the optimizer has no GaLore param groups (group['galore'] is True); "
+                "lr_scale is not applied. Build it with hf_galore_plugin.create_optimizer."
+            )
+        inner.register_step_pre_hook(scale_lr)
+        inner.register_step_post_hook(restore_lr)
+        inner._galore_lr_hooks_installed = self
+
+    # ------------------------------------------------------------------ events
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._config(model)
+        self.lr_multiplier = self.multiplier_at(state.global_step, state.max_steps)
+        if optimizer is not None:
+            self._install_lr_hooks(optimizer)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        # from state.global_step: resume, evaluation pauses and max_steps keep the schedule
+        self.lr_multiplier = self.multiplier_at(state.global_step, state.max_steps)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if getattr(optimizer, "step_was_skipped", False):
+            return
+        prepared = galore_model_of(model)
+        event = hgp.after_step(prepared, unwrap_optimizer(optimizer))
+        if event["refreshed"]:
+            self._refreshes_since_log.extend(event["refreshed"])
+            if event.get("similarity") is not None:
+                self._similarities_since_log.append(float(event["similarity"]))
+            logger.info(
+                "GaLore step %d: refreshed %d layer(s) %s; subspace similarity %s",
+                state.global_step, len(event["refreshed"]), event["refreshed"], event.get("similarity"),
+            )
+
+    def on_log(self, args, state, control, logs=None, model=None, optimizer=None, **kwargs):
+        if logs is None or "loss" not in logs or model is None:
+            return
+        extra: dict[str, float] = {
+            f"{LOG_PREFIX}lr_multiplier": float(self.lr_multiplier),
+            f"{LOG_PREFIX}refreshed_layers": float(len(self._refreshes_since_log)),
+        }
+        if self._similarities_since_log:
+            extra[f"{LOG_PREFIX}refresh_similarity"] = sum(self._similarities_since_log) / len(
+                self._similarities_since_log
+            )
+        stats = hgp.galore_stats(galore_model_of(model), unwrap_optimizer(optimizer))
+        extra.update({key: float(value) for key, value in stats.items() if value is not None})  # keys "galore/..."
+        self._refreshes_since_log.clear()
+        self._similarities_since_log.clear()
+        # The Trainer hands the same dict to every callback after us (the integration inserts
+        # this callback first, so TensorBoard/W&B/printer see these keys) and has already copied
+        # it into state.log_history: update that entry too.
+        logs.update(extra)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if not os.path.isdir(folder):
+            logger.warning("GaLoreCallback: checkpoint folder %s not found; GaLore state not saved", folder)
+            return
+        save_galore_state(galore_model_of(model), folder)
+
+
+def save_galore_state(model: Any, folder: str) -> str:
+    path = os.path.join(folder, GALORE_STATE_NAME)
+    state = {key: value.detach().cpu() for key, value in hgp.galore_state_dict(model).items()}
+    torch.save(state, path)
+    return path
+

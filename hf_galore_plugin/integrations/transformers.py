@@ -1,0 +1,489 @@
+"""transformers integration: optimizer names, the Trainer flow, merged saves, exact checkpoints.
+
+What is patched (each once, by :mod:`hf_galore_plugin.integrations` when the module is imported):
+
+- ``transformers.training_args``: every name of entry-point group ``hf_galore_plugin.optimizers``
+  becomes a real member of ``OptimizerNames`` (an ``Enum``: members are added to
+  ``_member_map_``/``_value2member_map_``/``_member_names_`` and as class attributes, exactly where
+  ``EnumType`` puts the members it creates), so ``TrainingArguments(optim=...)``,
+  ``HfArgumentParser`` choices and ``--help``, ``to_dict``/``to_json_string`` and pickling work for
+  ``TrainingArguments`` and every dataclass subclass of it (TRL's configs).
+- ``transformers.trainer``: ``Trainer.get_optimizer_cls_and_kwargs`` serves those names;
+  ``Trainer.__init__`` replaces the layers (before any accelerate/FSDP/DeepSpeed wrapping) and
+  attaches :class:`GaLoreCallback`; ``_load_from_checkpoint`` and ``_load_best_model`` restore
+  ``galore_state.pt`` with the weights.
+- ``transformers.modeling_utils`` / ``peft.peft_model``: ``save_pretrained`` of a prepared model
+  (what ``Trainer.save_model`` and every checkpoint call) writes the merged plain weights
+  (standard keys, dtype as loaded).
+
+Names transformers already owns (``galore_adamw``, ``galore_adamw_8bit``) are served by the plugin
+(logged once); ``HF_GALORE_PLUGIN_NO_TAKEOVER=1`` leaves them to transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import os
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import transformers
+from torch import nn
+
+import hf_galore_plugin as hgp
+
+from ..config import GaLoreConfig
+from ..registry import list_optimizer_entry_points, load_optimizer_preset
+from .optim_args import config_from_training_args
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "NO_TAKEOVER_ENV",
+    "GaLoreOptimizerFactory",
+    "served_optimizer_names",
+    "galore_config_for",
+    "prepare_model_for_trainer",
+    "patch_training_args",
+    "patch_trainer",
+    "patch_modeling_utils",
+    "patch_peft",
+    "merged_view",
+]
+
+NO_TAKEOVER_ENV = "HF_GALORE_PLUGIN_NO_TAKEOVER"
+# transformers' per-layer (layerwise) low-rank variants: they hook a separate optimizer on every
+# parameter and cannot drive the plugin's reparametrized layers.
+_LAYERWISE_NAMES = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise")
+
+_lock = threading.RLock()
+_served: dict[str, str] = {}  # optimizer name -> "added" | "takeover"
+_takeover_logged = False
+
+
+def _internals_missing(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"hf_galore_plugin cannot register its optimizers with transformers {transformers.__version__}: "
+        f"{what} is missing. Supported: transformers 4.57.x and 5.x; please report this version."
+    )
+
+
+def served_optimizer_names() -> dict[str, str]:
+    """The optimizer names the plugin serves: name -> 'added' (new member) or 'takeover'."""
+    return dict(_served)
+
+
+def _served_name(optim: Any) -> Optional[str]:
+    value = getattr(optim, "value", optim)
+    return value if isinstance(value, str) and value in _served else None
+
+
+# ---------------------------------------------------------------------- OptimizerNames
+def _optimizer_name_member(value: str):
+    """Unpickling target of the plugin's members: registers the plugin in a fresh process first."""
+    from transformers.training_args import OptimizerNames
+
+    return OptimizerNames(value)
+
+
+def _add_enum_member(enum_cls: type, member_name: str, value: str):
+    for attribute in ("_member_map_", "_value2member_map_", "_member_names_"):
+        if not hasattr(enum_cls, attribute):
+            raise _internals_missing(f"{enum_cls.__name__}.{attribute} (enum internals)")
+    if member_name in enum_cls._member_map_:
+        raise RuntimeError(
+            f"optimizer name {value!r} cannot be added to {enum_cls.__name__}: member {member_name} already "
+            f"exists with value {enum_cls._member_map_[member_name].value!r}; rename the entry point"
+        )
+    member_type = enum_cls._member_type_ if enum_cls._member_type_ is not object else str
+    member = member_type.__new__(enum_cls, value)
+    member._value_ = value
+    member._name_ = member_name
+    member.__objclass__ = enum_cls
+    member._sort_order_ = len(enum_cls._member_names_)
+    # Pickling an Enum member stores (OptimizerNames, (value,)): loading that in a process that has
+    # not imported the plugin fails. This reducer imports the plugin (which registers) first.
+    member.__reduce_ex__ = lambda protocol: (_optimizer_name_member, (value,))
+    # a class attribute first: EnumType.__setattr__ refuses names that are already members
+    type.__setattr__(enum_cls, member_name, member)
+    enum_cls._member_map_[member_name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(member_name)
+    return member
+
+
+def patch_training_args() -> None:
+    """Make every entry-point optimizer name a member of ``OptimizerNames`` (idempotent)."""
+    from transformers import training_args
+
+    enum_cls = getattr(training_args, "OptimizerNames", None)
+    if enum_cls is None:
+        raise _internals_missing("transformers.training_args.OptimizerNames")
+    takeover = os.environ.get(NO_TAKEOVER_ENV, "0").lower() not in ("1", "true", "yes")
+    with _lock:
+        for name in list_optimizer_entry_points():
+            if name in _served:
+                continue
+            if name in enum_cls._value2member_map_:
+                if takeover:
+                    _served[name] = "takeover"
+                continue
+            _add_enum_member(enum_cls, name.upper(), name)
+            _served[name] = "added"
+
+
+# ---------------------------------------------------------------------- config and model preparation
+def galore_config_for(args: Any, name: Optional[str] = None) -> GaLoreConfig:
+    """The GaLoreConfig that ``TrainingArguments`` ask for: preset + optim_args + optim_target_modules."""
+    name = name or _served_name(args.optim)
+    if name is None:
+        raise ValueError(f"optim={getattr(args.optim, 'value', args.optim)!r} is not served by hf_galore_plugin")
+    return config_from_training_args(
+        load_optimizer_preset(name),
+        optim_args=args.optim_args,
+        optim_target_modules=args.optim_target_modules,
+        optimizer_name=name,
+    )
+
+
+def _check_training_args(args: Any, name: str) -> None:
+    """Configurations that would silently train something else fail here, before the first step."""
+    ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if ds_config is None and isinstance(getattr(args, "deepspeed", None), dict):
+        ds_config = args.deepspeed
+    if ds_config is None:
+        ds_config = getattr(getattr(args, "deepspeed_plugin", None), "deepspeed_config", None)
+    if isinstance(ds_config, dict) and "optimizer" in ds_config:
+        raise ValueError(
+            f"optim={name!r}: the DeepSpeed config has an 'optimizer' block "
+            f"({ds_config['optimizer'].get('type', '?')!r}), which would replace the GaLore optimizer "
+            "silently. Remove the 'optimizer' block from the DeepSpeed config (keep 'scheduler' if you like)."
+        )
+
+
+def _check_layerwise(args: Any) -> None:
+    value = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
+    if value in _LAYERWISE_NAMES and any(kind == "takeover" for kind in _served.values()):
+        raise ValueError(
+            f"optim={value!r} is transformers' layerwise GaLore (galore-torch), which cannot be combined with "
+            f"hf_galore_plugin (it serves {sorted(_served)}). Use optim='galore_adamw' or 'galore_adamw_8bit': "
+            "the plugin keeps only low-rank optimizer state, so no per-layer optimizer is needed. To use "
+            f"transformers' implementation instead, set {NO_TAKEOVER_ENV}=1."
+        )
+
+
+def _is_galore_layer(module: nn.Module) -> bool:
+    return hasattr(module, "galore_factor")
+
+
+def _linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not _is_galore_layer(module):
+            yield module_name, module
+
+
+def prepare_model_for_trainer(model: nn.Module, config: GaLoreConfig, name: str) -> nn.Module:
+    """``prepare_model`` with the optimizer name and the model's linear layers in its errors.
+
+    The core logs what was targeted and skipped, and why (``model.galore_report``).
+    """
+    try:
+        return hgp.prepare_model(model, config)
+    except ValueError as exc:
+        linear_names = [module_name for module_name, _ in _linear_layers(model)]
+        raise ValueError(
+            f"optim={name!r} cannot prepare {type(model).__name__}: {exc} "
+            f"(target_modules={config.target_modules!r}, rank={config.rank}; its nn.Linear layers: "
+            f"{linear_names[:12]}{' ...' if len(linear_names) > 12 else ''})"
+        ) from exc
+
+
+# ---------------------------------------------------------------------- optimizer
+class GaLoreOptimizerFactory(torch.optim.Optimizer):
+    """What ``get_optimizer_cls_and_kwargs`` returns for the plugin's names.
+
+    A ``torch.optim.Optimizer`` subclass so that every Trainer version calls it as
+    ``cls(grouped_parameters, **kwargs)`` (5.x treats any other callable as a model factory);
+    ``__new__`` returns the optimizer from :func:`hf_galore_plugin.create_optimizer` built on the
+    Trainer's decay/no-decay groups, so ``__init__`` never runs.
+    """
+
+    def __new__(cls, params, *, galore_model, galore_config, lr, betas, eps, weight_decay):
+        return hgp.create_optimizer(
+            galore_model,
+            galore_config,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            param_groups=list(params),
+        )
+
+
+def _galore_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module], name: str):
+    global _takeover_logged
+    if model is None:
+        raise ValueError(f"optim={name!r} needs the model: Trainer.get_optimizer_cls_and_kwargs(args, model)")
+    if _served[name] == "takeover" and not _takeover_logged:
+        _takeover_logged = True
+        logger.warning(
+            "optim=%r is served by hf_galore_plugin, not by transformers' galore-torch integration "
+            "(set %s=1 to use transformers' implementation)", name, NO_TAKEOVER_ENV,
+        )
+    from .callback import galore_model_of
+
+    prepared = galore_model_of(model)
+    if prepared is None:
+        if model is not getattr(model, "module", model):
+            raise ValueError(
+                f"optim={name!r}: the model is wrapped ({type(model).__name__}) but its layers were not "
+                "replaced; construct the Trainer with the optimizer name (or call "
+                "hf_galore_plugin.prepare_model) before wrapping"
+            )
+        prepared = prepare_model_for_trainer(model, galore_config_for(args, name), name)
+    kwargs = {
+        "lr": args.learning_rate,
+        "betas": (args.adam_beta1, args.adam_beta2),
+        "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay,
+        "galore_model": prepared,
+        "galore_config": prepared.galore_config,
+    }
+    return GaLoreOptimizerFactory, kwargs
+
+
+# ---------------------------------------------------------------------- checkpoints
+@contextlib.contextmanager
+def _galore_state_injected(model: nn.Module, galore_state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """While the Trainer loads a checkpoint's weights, GaLore layers receive their exact state.
+
+    The checkpoint's ``weight`` of a GaLore layer is the merged W0 + scale*B Q^T (the checkpoint
+    is a plain model); each layer's pre-hook replaces it by the layer's own tensors from
+    ``galore_state.pt`` (W0, possibly quantized, factor, basis, counters), so no key is reported
+    missing and nothing merged is copied into W0.
+    """
+    per_layer: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in galore_state.items():
+        layer_name, _, sub_key = key.rpartition(".")
+        per_layer.setdefault(layer_name, {})[sub_key] = value
+    handles = []
+    for layer_name, layer in hgp.galore_layers(model):
+        def inject(state_dict, prefix, *unused, layer_state=per_layer.get(layer_name, {})):
+            state_dict.pop(prefix + "weight", None)
+            state_dict.update({prefix + sub_key: value for sub_key, value in layer_state.items()})
+
+        handles.append(layer._register_load_state_dict_pre_hook(inject))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: str) -> Any:
+    from .callback import GALORE_STATE_NAME
+
+    path = os.path.join(folder, GALORE_STATE_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"checkpoint {folder} has no {GALORE_STATE_NAME}: the GaLore layers (base weight, factor, basis, "
+            "counters) cannot be restored exactly. Resume from a checkpoint written by a GaLore run, or "
+            "start a new run from the merged model with from_pretrained."
+        )
+    galore_state = torch.load(path, map_location="cpu", weights_only=True)
+    with _galore_state_injected(model, galore_state):
+        result = load()
+    # strict: every layer and every key must be there (the injected load above is not strict)
+    hgp.load_galore_state_dict(model, galore_state)
+    return result
+
+
+# ---------------------------------------------------------------------- patches
+def _patched(cls: type, attribute: str) -> bool:
+    return getattr(cls.__dict__.get(attribute), "_hf_galore_plugin_patch", False)
+
+
+def _mark(function: Callable) -> Callable:
+    function._hf_galore_plugin_patch = True
+    return function
+
+
+def patch_trainer() -> None:
+    """Wrap the Trainer methods listed in the module docstring (idempotent)."""
+    from transformers import trainer as trainer_module
+
+    trainer_cls = getattr(trainer_module, "Trainer", None)
+    for attribute in ("get_optimizer_cls_and_kwargs", "__init__", "_load_from_checkpoint", "_load_best_model"):
+        if trainer_cls is None or attribute not in trainer_cls.__dict__:
+            raise _internals_missing(f"transformers.Trainer.{attribute}")
+    patch_training_args()
+    with _lock:
+        if _patched(trainer_cls, "__init__"):
+            return
+        _patch_optimizer_dispatch(trainer_cls)
+        _patch_init(trainer_cls)
+        _patch_checkpoints(trainer_cls)
+
+
+def _patch_optimizer_dispatch(trainer_cls: type) -> None:
+    original = trainer_cls.__dict__["get_optimizer_cls_and_kwargs"]
+    original = getattr(original, "__func__", original)
+
+    @functools.wraps(original)
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        name = _served_name(args.optim)
+        if name is None:
+            return original(args, model)
+        return _galore_optimizer_cls_and_kwargs(args, model, name)
+
+    trainer_cls.get_optimizer_cls_and_kwargs = staticmethod(_mark(get_optimizer_cls_and_kwargs))
+
+
+def _patch_init(trainer_cls: type) -> None:
+    original = trainer_cls.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            return original(self, *args, **kwargs)  # let the Trainer report the bad call
+        training_args = bound.arguments.get("args")
+        _check_layerwise(training_args)
+        name = _served_name(getattr(training_args, "optim", None))
+        if name is None:
+            return original(*bound.args, **bound.kwargs)
+        config = galore_config_for(training_args, name)
+        _check_training_args(training_args, name)
+        if bound.arguments.get("model") is not None:
+            prepare_model_for_trainer(bound.arguments["model"], config, name)
+        elif bound.arguments.get("model_init") is not None:
+            bound.arguments["model_init"] = _preparing_model_init(bound.arguments["model_init"], config, name)
+        original(*bound.args, **bound.kwargs)
+        _attach_callback(self, config)
+
+    trainer_cls.__init__ = _mark(__init__)
+
+
+def _preparing_model_init(model_init: Callable, config: GaLoreConfig, name: str) -> Callable:
+    @functools.wraps(model_init)  # keeps the signature: Trainer.call_model_init counts its arguments
+    def galore_model_init(*args):
+        return prepare_model_for_trainer(model_init(*args), config, name)
+
+    return galore_model_init
+
+
+def _attach_callback(trainer: Any, config: GaLoreConfig) -> None:
+    from .callback import GaLoreCallback
+
+    handler = trainer.callback_handler
+    if any(isinstance(callback, GaLoreCallback) for callback in handler.callbacks):
+        return
+    # first, so that the values it adds in on_log reach the reporting callbacks after it
+    handler.callbacks.insert(0, GaLoreCallback(config))
+
+
+def _patch_checkpoints(trainer_cls: type) -> None:
+    from .callback import galore_model_of
+
+    original_load = trainer_cls._load_from_checkpoint
+    original_load_best = trainer_cls._load_best_model
+
+    @functools.wraps(original_load)
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        prepared = galore_model_of(self.model)
+        if prepared is None:
+            return original_load(self, resume_from_checkpoint, model)
+        return _load_with_galore_state(
+            lambda: original_load(self, resume_from_checkpoint, model), prepared, resume_from_checkpoint
+        )
+
+    @functools.wraps(original_load_best)
+    def _load_best_model(self):
+        prepared = galore_model_of(self.model)
+        if prepared is None:
+            return original_load_best(self)
+        return _load_with_galore_state(lambda: original_load_best(self), prepared, self.state.best_model_checkpoint)
+
+    trainer_cls._load_from_checkpoint = _mark(_load_from_checkpoint)
+    trainer_cls._load_best_model = _mark(_load_best_model)
+
+
+@contextlib.contextmanager
+def merged_view(model: nn.Module) -> Iterator[nn.Module]:
+    """Temporarily swap every GaLore layer for a plain ``nn.Linear`` holding its merged weight.
+
+    For savers that walk the modules themselves (peft's ``get_peft_model_state_dict`` asks each
+    ``modules_to_save`` copy for its own keys): they see a plain model; the GaLore layers (and
+    everything they hold) are put back afterwards, untouched.
+    """
+    merged = hgp.merged_state_dict(model)
+    swapped = []
+    for layer_name, layer in hgp.galore_layers(model):
+        weight = merged[f"{layer_name}.weight"]
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                           device="meta", dtype=weight.dtype)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if layer.bias is not None:
+            linear.bias = layer.bias
+        parent_name, _, child = layer_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, linear)
+        swapped.append((parent, child, layer))
+    try:
+        yield model
+    finally:
+        for parent, child, layer in swapped:
+            setattr(parent, child, layer)
+
+
+def patch_peft() -> None:
+    """``PeftModel.save_pretrained`` of a prepared peft model saves merged ``modules_to_save`` (idempotent)."""
+    from peft import peft_model
+
+    model_cls = getattr(peft_model, "PeftModel", None)
+    if model_cls is None or "save_pretrained" not in model_cls.__dict__:
+        raise RuntimeError("hf_galore_plugin: peft.PeftModel.save_pretrained is missing in this peft version")
+    with _lock:
+        if _patched(model_cls, "save_pretrained"):
+            return
+        original = model_cls.save_pretrained
+
+        @functools.wraps(original)
+        def save_pretrained(self, *args, **kwargs):
+            if getattr(self, "galore_config", None) is None:
+                return original(self, *args, **kwargs)
+            with merged_view(self):
+                return original(self, *args, **kwargs)
+
+        model_cls.save_pretrained = _mark(save_pretrained)
+
+
+def patch_modeling_utils() -> None:
+    """``save_pretrained`` of a GaLore-prepared model writes the merged plain weights (idempotent)."""
+    from transformers import modeling_utils
+
+    model_cls = getattr(modeling_utils, "PreTrainedModel", None)
+    if model_cls is None or "save_pretrained" not in model_cls.__dict__:
+        raise _internals_missing("transformers.PreTrainedModel.save_pretrained")
+    with _lock:
+        if _patched(model_cls, "save_pretrained"):
+            return
+        original = model_cls.save_pretrained
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def save_pretrained(self, *args, **kwargs):
+            if getattr(self, "galore_config", None) is not None:
+                bound = signature.bind(self, *args, **kwargs)
+                if bound.arguments.get("state_dict") is None:
+                    bound.arguments["state_dict"] = hgp.merged_state_dict(self)
+                return original(*bound.args, **bound.kwargs)
+            return original(self, *args, **kwargs)
+
+        model_cls.save_pretrained = _mark(save_pretrained)
