@@ -1,0 +1,286 @@
+"""AdamW with fp32 or 8-bit blockwise state, on any tensor: dense, 1-D flat partitions
+(DeepSpeed ZeRO, FSDP1), empty shards, and DTensor shards (FSDP2).
+
+The class validates groups, creates state and loops; the math is in `optim.functional`.
+
+State per parameter (tensors and plain values only, so `torch.load(weights_only=True)` works):
+- "step": fp32 scalar tensor on the CPU, as torch.optim.AdamW keeps it.
+- fp32 state: "exp_avg", "exp_avg_sq" (fp32, the parameter's shape; DTensors for DTensor params,
+  like torch's AdamW, so distributed checkpoints can reshard them).
+- 8-bit state: "exp_avg_codes" (int8) and "exp_avg_sq_codes" (uint8) in the parameter's shape,
+  "exp_avg_scales" / "exp_avg_sq_scales" (fp32, one per block of "block_size" flattened values),
+  "block_size" (int). With error feedback also "exp_avg_residual_codes" /
+  "exp_avg_sq_residual_codes" (int8) and their fp32 "*_residual_scales".
+  Bytes per value: 2 + 8/block_size (2.03 at 256); with error feedback 4 + 16/block_size (4.06),
+  against 8 for fp32 state. For a DTensor parameter, codes are DTensors placed like the
+  parameter and scales are DTensors of shape (number of shards, largest shard's block count),
+  sharded on dim 0, so each rank saves its own scales; resuming 8-bit state therefore needs the
+  same mesh (blocks are cut from the local shard, so they cannot be resharded).
+Tensors with fewer than `min_8bit_numel` values keep fp32 state even when state_bits=8, as
+bitsandbytes does (its default threshold is 4096): for biases and norms the 8-bit saving is a
+few KB while their scales would cost up to 4 B per block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from hf_galore_plugin.kernels.adamw8bit import dequantize_moment, quantize_moment
+from hf_galore_plugin.optim.functional import (
+    EIGHT_BIT_STATE_KEYS,
+    RESIDUAL_STATE_KEYS,
+    adamw_step_8bit,
+    adamw_step_fp32,
+)
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch built without distributed support
+    DTensor = None
+
+__all__ = ["AdamW"]
+
+_MIN_BLOCK, _MAX_BLOCK = 16, 4096
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process updates: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if not float(lr) >= 0.0:
+        raise ValueError(f"AdamW: lr={lr} is invalid; use a learning rate >= 0 (e.g. 1e-3).")
+    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ValueError(f"AdamW: betas={betas} is invalid; use two values in [0, 1), e.g. (0.9, 0.999).")
+    if not float(eps) > 0.0:
+        raise ValueError(f"AdamW: eps={eps} is invalid; use eps > 0 (e.g. 1e-8) so m / (sqrt(v) + eps) is finite.")
+    if not float(wd) >= 0.0:
+        raise ValueError(f"AdamW: weight_decay={wd} is invalid; use weight_decay >= 0 (0 disables it).")
+    bits, block = group["state_bits"], group["block_size"]
+    if bits not in (8, 32):
+        raise ValueError(f"AdamW: state_bits={bits} is not supported; use 32 (fp32 state) or 8 (8-bit blockwise).")
+    if not (isinstance(block, int) and _MIN_BLOCK <= block <= _MAX_BLOCK and block & (block - 1) == 0):
+        # Triton needs a power-of-two block; below 16 the fp32 scales cost >= 0.25 B per value, above
+        # 4096 one outlier sets the scale of too many values (the paper's case for small blocks).
+        raise ValueError(
+            f"AdamW: block_size={block} is invalid; use a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}] (e.g. 256)."
+        )
+    if group["error_feedback"] and bits != 8:
+        raise ValueError(
+            f"AdamW: error_feedback=True needs state_bits=8 (got state_bits={bits}); fp32 state has no "
+            "quantization residual. Set state_bits=8 or error_feedback=False."
+        )
+    if not (isinstance(group["min_8bit_numel"], int) and group["min_8bit_numel"] >= 0):
+        raise ValueError(f"AdamW: min_8bit_numel={group['min_8bit_numel']} is invalid; use an int >= 0 (e.g. 4096).")
+
+
+def _block_scales(param: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Zeroed fp32 block scales for `param`'s local values (a sharded DTensor for a DTensor param)."""
+    local = _local(param)
+    if not _is_dtensor(param):
+        return torch.zeros(math.ceil(local.numel() / block_size), dtype=torch.float32, device=local.device)
+    # Every rank must hold the same local scale shape, so size it for the largest shard:
+    # torch.chunk-style sharding gives the first rank ceil(dim / mesh_size) rows.
+    mesh, largest_shape, n_shards, placements = param.device_mesh, list(param.shape), 1, []
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            size = mesh.size(mesh_dim)
+            largest_shape[placement.dim] = math.ceil(largest_shape[placement.dim] / size)
+            n_shards *= size
+            placements.append(Shard(0))
+        elif isinstance(placement, Replicate):
+            placements.append(Replicate())
+        else:
+            raise NotImplementedError(f"AdamW 8-bit state: DTensor placement {placement} is not supported.")
+    max_blocks = math.ceil(math.prod(largest_shape) / block_size)
+    zeros = torch.zeros(1, max_blocks, dtype=torch.float32, device=local.device)
+    return DTensor.from_local(
+        zeros, mesh, placements, run_check=False, shape=torch.Size((n_shards, max_blocks)), stride=(max_blocks, 1)
+    )
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction; amsgrad and maximize off) with fp32 or
+    8-bit blockwise state. Every keyword below may also be set per param group; unknown group
+    keys are kept and ignored.
+
+    Args:
+        lr, betas, eps, weight_decay: as in torch.optim.AdamW.
+        state_bits: 32 (fp32 moments) or 8 (dynamic-code 8-bit moments, one fp32 scale per block).
+        block_size: values per quantization block (power of two, 16..4096).
+        error_feedback: keep each moment's 8-bit quantization residual and add it back next step.
+        min_8bit_numel: parameters with fewer values keep fp32 state even when state_bits=8.
+    state_bits, block_size and error_feedback take effect when a parameter's state is created
+    (its first step, or the first step after `reset_state`).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        state_bits: int = 32,
+        block_size: int = 256,
+        error_feedback: bool = False,
+        min_8bit_numel: int = 4096,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "state_bits": state_bits,
+            "block_size": block_size,
+            "error_feedback": error_feedback,
+            "min_8bit_numel": min_8bit_numel,
+        }
+        _validate_group(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _validate_group(self.param_groups[-1])
+
+    def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32)}
+        # The global numel decides, so every rank of a DTensor picks the same state format.
+        if group["state_bits"] == 32 or param.numel() < group["min_8bit_numel"]:
+            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+        else:
+            block_size = group["block_size"]
+            state["block_size"] = block_size
+            residuals = RESIDUAL_STATE_KEYS if group["error_feedback"] else ()
+            for key in EIGHT_BIT_STATE_KEYS + residuals:
+                if key.endswith("scales"):
+                    state[key] = _block_scales(param, block_size)
+                else:
+                    dtype = torch.uint8 if key == "exp_avg_sq_codes" else torch.int8
+                    state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+        self.state[param] = state
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = (float(b) for b in group["betas"])
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                local, grad = _local(param), _local(param.grad)
+                if grad.is_sparse or torch.is_complex(local):
+                    raise RuntimeError("hf_galore_plugin AdamW supports dense real tensors only.")
+                # Empty shards (FSDP1 / FSDP2 ranks past the last row) still get state and a step
+                # count, as torch's AdamW does, so every rank holds the same keys for checkpoints.
+                state = self.state[param] or self._init_state(param, group)
+                state["step"] += 1
+                if local.numel() == 0:
+                    continue
+                hyper = {
+                    "step": int(state["step"].item()),
+                    "lr": float(group["lr"]),
+                    "beta1": beta1,
+                    "beta2": beta2,
+                    "eps": float(group["eps"]),
+                    "weight_decay": float(group["weight_decay"]),
+                }
+                if "exp_avg" in state:
+                    adamw_step_fp32(local, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), **hyper)
+                else:
+                    tensors = {k: _local(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+                    adamw_step_8bit(local, grad, tensors, block_size=state["block_size"], **hyper)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader, except every state tensor keeps its saved dtype.
+
+        torch.optim.Optimizer casts floating state to the parameter's dtype, which would turn fp32
+        scales and moments of a bf16 parameter into bf16 (and is not a documented hook we can
+        rely on across torch versions), so the saved tensors are restored afterwards, moved to the
+        parameter's device only.
+        """
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_states = {p: state_dict["state"][i] for i, p in zip(saved_ids, params) if i in state_dict["state"]}
+        super().load_state_dict(state_dict)
+        for param, saved in saved_states.items():
+            device = _local(param).device
+            self.state[param] = {
+                key: value.to(device=device) if isinstance(value, torch.Tensor) and key != "step" else value
+                for key, value in saved.items()
+            }
+
+    def reset_state(self, param: torch.Tensor) -> None:
+        """Forget `param`'s state; its next step starts from zero moments at step 1."""
+        self.state.pop(param, None)
+
+    def transform_state(
+        self, param: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Replace `param`'s moments by `fn(exp_avg, exp_avg_sq)` (fp32, the shape of the local shard).
+
+        8-bit state is dequantized (residual included), transformed and requantized with a fresh
+        residual. No-op when `param` has no state yet.
+        """
+        state = self.state.get(param)
+        if not state:
+            return
+        local_shape = _local(param).shape
+        if "exp_avg" in state:
+            exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            new_avg, new_avg_sq = fn(exp_avg.clone(), exp_avg_sq.clone())
+            _check_shape(new_avg, new_avg_sq, local_shape)
+            exp_avg.copy_(new_avg)
+            exp_avg_sq.copy_(new_avg_sq)
+            return
+        block_size = state["block_size"]
+        n_blocks = math.ceil(math.prod(local_shape) / block_size)
+
+        def flat(key: str) -> torch.Tensor | None:
+            if key not in state:
+                return None
+            view = _local(state[key]).view(-1)
+            return view[:n_blocks] if key.endswith("scales") else view
+
+        moments = []
+        for name in ("exp_avg", "exp_avg_sq"):
+            keys = (f"{name}_codes", f"{name}_scales", f"{name}_residual_codes", f"{name}_residual_scales")
+            moments.append((keys, dequantize_moment(*(flat(k) for k in keys), block_size=block_size)))
+        new_values = fn(*(m.view(local_shape) for _, m in moments))
+        _check_shape(*new_values, local_shape)
+        for (keys, _), value in zip(moments, new_values):
+            quantize_moment(value.float().reshape(-1), *(flat(k) for k in keys), block_size=block_size)
+
+    def state_nbytes(self) -> int:
+        """Bytes of every state tensor this process holds (local shards of DTensors), step counters included."""
+        return sum(
+            _local(v).numel() * _local(v).element_size()
+            for state in self.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+
+
+def _check_shape(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, shape: torch.Size) -> None:
+    if exp_avg.shape != shape or exp_avg_sq.shape != shape:
+        raise ValueError(
+            f"AdamW.transform_state: fn returned shapes {tuple(exp_avg.shape)} and {tuple(exp_avg_sq.shape)}; "
+            f"it must return two tensors of the parameter's (local) shape {tuple(shape)}."
+        )

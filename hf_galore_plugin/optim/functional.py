@@ -1,0 +1,87 @@
+"""Pure per-parameter AdamW updates (Loshchilov & Hutter 2019, decoupled weight decay).
+
+Each function updates one parameter's local tensor and its state tensors in place and keeps no
+state of its own; `hf_galore_plugin.optim.AdamW` only creates the state and loops over these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step
+
+__all__ = ["adamw_step_fp32", "adamw_step_8bit", "EIGHT_BIT_STATE_KEYS", "RESIDUAL_STATE_KEYS"]
+
+# State keys of an 8-bit parameter, in the argument order of the fused kernel.
+EIGHT_BIT_STATE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
+RESIDUAL_STATE_KEYS = (
+    "exp_avg_residual_codes",
+    "exp_avg_residual_scales",
+    "exp_avg_sq_residual_codes",
+    "exp_avg_sq_residual_scales",
+)
+
+
+def adamw_step_fp32(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """AdamW with fp32 moments; the same op sequence as torch.optim.AdamW(foreach=False).
+
+    With an fp32 `param` the result is bit-identical to torch's single-tensor AdamW. A bf16 or
+    fp16 `param` is updated in an fp32 copy and rounded back once, so tiny updates are not lost
+    to 8-bit mantissa arithmetic inside the step (they can still be lost in the final rounding).
+    """
+    work = param if param.dtype == torch.float32 else param.float()
+    g = grad if grad.dtype == torch.float32 else grad.float()
+    work.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    step_size = lr / (1.0 - beta1**step)
+    bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    work.addcdiv_(exp_avg, denom, value=-step_size)
+    if work is not param:
+        param.copy_(work)
+
+
+def adamw_step_8bit(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    block_size: int,
+) -> None:
+    """AdamW with 8-bit blockwise moments (keys `EIGHT_BIT_STATE_KEYS`, plus `RESIDUAL_STATE_KEYS`
+    when error feedback is on) in one fused pass over the flattened parameter.
+
+    `state` holds local tensors: codes with the parameter's element count, scales with one fp32
+    per block of `block_size` flattened values.
+    """
+    flat = param.contiguous().view(-1)
+    n_blocks = -(-flat.numel() // block_size)
+    # Scales may be longer than n_blocks (a DTensor shard pads to the largest shard's count).
+    keys = EIGHT_BIT_STATE_KEYS + (RESIDUAL_STATE_KEYS if RESIDUAL_STATE_KEYS[0] in state else ())
+    tensors = [state[k].view(-1)[:n_blocks] if k.endswith("scales") else state[k].view(-1) for k in keys]
+    tensors += [None] * (8 - len(tensors))
+    adamw8bit_step(
+        flat, grad.contiguous().view(-1), *tensors,
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size,
+    )  # fmt: skip
+    if not param.is_contiguous():
+        param.copy_(flat.view(param.shape))

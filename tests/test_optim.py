@@ -1,0 +1,471 @@
+"""hf_galore_plugin.optim.AdamW on CPU through the torch twin of the 8-bit kernel.
+
+Oracles: torch.optim.AdamW (fp32 state), our own fp32 AdamW (for the 8-bit state), and
+bitsandbytes' AdamW8bit (the accuracy bar for 8-bit state). The kernel-vs-twin checks are in
+test_optim_triton.py.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_galore_plugin.optim import AdamW
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+
+
+@pytest.fixture(autouse=True)
+def _torch_twin_single_thread(monkeypatch):
+    # conftest turns the Triton interpreter on for CPU tensors; these tests exercise the twin
+    # (the CPU path users get) and would take minutes through the interpreter.
+    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    # These tensors are tiny (8192 values): one thread runs a 500-step training in ~2 s, while
+    # two threads on a loaded 2-core machine took 9-20 s (measured), all in thread hand-offs.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _least_squares(*, seed: int, rows: int = 64, cols: int = 128):
+    """A 64x128 least-squares problem whose true weights span ~4 decades (u**4 scaling), so
+    gradients inside one 256-value block differ by orders of magnitude, as in real layers."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, cols, generator=g)
+    w_true = torch.randn(rows, cols, generator=g) * torch.rand(rows, cols, generator=g) ** 4
+    y = x @ w_true.T + 0.1 * torch.randn(512, rows, generator=g)
+    batches = [torch.randint(0, 512, (64,), generator=g) for _ in range(500)]
+    return x, y, batches
+
+
+def _train(make_optimizer, *, seed: int = 0, steps: int = 500, lr: float = 1e-3):
+    x, y, batches = _least_squares(seed=seed)
+    w = torch.nn.Parameter(torch.zeros(y.shape[1], x.shape[1]))
+    opt = make_optimizer([w], lr)
+    for idx in batches[:steps]:
+        opt.zero_grad()
+        ((x[idx] @ w.T - y[idx]) ** 2).mean().backward()
+        opt.step()
+    return w.detach(), opt
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _grads(shapes, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) * torch.rand(s, generator=g) ** 3 for s in shapes] for _ in range(steps)]
+
+
+def _run_fixed_grads(params, opt, grads):
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.to(p.dtype)
+        opt.step()
+
+
+def _groups(params):
+    # Several groups exercise per-group hyperparameters and tagged extra keys.
+    return [
+        {"params": params[:1], "galore": True, "name": "proj"},
+        {"params": params[1:2], "lr": 3e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)},
+        {"params": params[2:], "eps": 1e-6, "weight_decay": 0.3},
+    ]
+
+
+SHAPES = [(32, 48), (48,), (5, 7, 3)]
+
+
+def _fresh_params(dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_fp32_state_matches_torch_adamw(foreach):
+    ours, ref = _fresh_params(), _fresh_params()
+    opt = AdamW(_groups(ours), **HYPER)
+    ref_opt = torch.optim.AdamW(_groups(ref), **HYPER, foreach=foreach)
+    grads = _grads(SHAPES, 100)
+    _run_fixed_grads(ours, opt, grads)
+    _run_fixed_grads(ref, ref_opt, grads)
+    for a, b in zip(ours, ref):
+        if foreach:  # torch's multi-tensor path orders its fp32 ops differently
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:  # same op sequence as torch's single-tensor path
+            assert torch.equal(a, b)
+    assert opt.param_groups[0]["galore"] is True and opt.param_groups[0]["name"] == "proj"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_params_keep_fp32_state(dtype):
+    ours = _fresh_params(dtype)
+    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = AdamW(_groups(ours), **HYPER)
+    ref_opt = torch.optim.AdamW(_groups(ref), **HYPER, foreach=False)
+    steps = 20
+    grads = _grads(SHAPES, steps)
+    _run_fixed_grads(ours, opt, grads)
+    _run_fixed_grads(ref, ref_opt, grads)
+    for p in ours:
+        assert all(v.dtype == torch.float32 for k, v in opt.state[p].items())
+    # The moments see the same fp32 gradients, so the only difference is the parameter's own
+    # rounding after each step: at most half an ulp (2**-9 relative for bf16's 8-bit mantissa,
+    # 2**-12 for fp16) per step, accumulated over `steps` steps.
+    half_ulp = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12
+    for a, b in zip(ours, ref):
+        bound = steps * half_ulp * b.detach().abs().amax() + 1e-6
+        assert (a.float() - b).abs().max() <= bound
+
+
+def _bnb():
+    try:
+        import bitsandbytes
+    except Exception:  # ImportError, or a broken native library
+        return None
+    return bitsandbytes
+
+
+@pytest.mark.parametrize("lr", [1e-3, 1e-2])
+def test_8bit_deviation_no_worse_than_bitsandbytes(lr):
+    fp32, _ = _train(lambda p, lr: AdamW(p, lr=lr, weight_decay=0.01), lr=lr)
+    ours8, opt = _train(lambda p, lr: AdamW(p, lr=lr, weight_decay=0.01, state_bits=8), lr=lr)
+    assert opt.state[next(iter(opt.state))]["exp_avg_codes"].dtype == torch.int8
+    ours = _rel(ours8, fp32)
+    bnb = _bnb()
+    if bnb is None:
+        # Bound measured with bitsandbytes 0.50.2 on this problem: it shows 5.7% (lr 1e-3) and
+        # 0.59% (lr 1e-2); we hold the larger one.
+        assert ours <= 0.06
+        return
+    torch_ref, _ = _train(lambda p, lr: torch.optim.AdamW(p, lr=lr, weight_decay=0.01), lr=lr)
+    theirs8, bnb_opt = _train(lambda p, lr: bnb.optim.AdamW8bit(p, lr=lr, weight_decay=0.01), lr=lr)
+    assert bnb_opt.state[next(iter(bnb_opt.state))]["state1"].dtype == torch.uint8  # 8-bit state in use
+    theirs = _rel(theirs8, torch_ref)
+    # Measured (seeds 0/1/2): lr 1e-3 ours 5.71/5.87/5.88% vs bnb 5.69/5.89/5.89% (same code-book
+    # resolution, seed noise ~0.4%); lr 1e-2 ours 0.30% vs bnb 0.59%. 1% slack covers the tie.
+    assert ours <= 1.01 * theirs, (ours, theirs)
+
+
+def test_error_feedback_reduces_deviation():
+    fp32, _ = _train(lambda p, lr: AdamW(p, lr=lr, weight_decay=0.01))
+    plain, _ = _train(lambda p, lr: AdamW(p, lr=lr, weight_decay=0.01, state_bits=8))
+    fed, _ = _train(lambda p, lr: AdamW(p, lr=lr, weight_decay=0.01, state_bits=8, error_feedback=True))
+    # Measured: 5.7% without feedback, 0.03% with it; require at least a 10x improvement.
+    assert _rel(fed, fp32) * 10 < _rel(plain, fp32)
+
+
+def _state_bytes_8bit(numel, block_size, error_feedback):
+    blocks = math.ceil(numel / block_size)
+    per_moment = numel + 4 * blocks
+    return 4 + per_moment * (4 if error_feedback else 2)  # 4: the fp32 step counter
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_8bit_state_layout_and_nbytes(error_feedback):
+    big = torch.nn.Parameter(torch.randn(70, 90))  # 6300 values: 25 blocks, the last one partial
+    small = torch.nn.Parameter(torch.randn(100))  # below min_8bit_numel: fp32 state
+    opt = AdamW([big, small], state_bits=8, error_feedback=error_feedback)
+    big.grad, small.grad = torch.randn_like(big), torch.randn_like(small)
+    opt.step()
+    s = opt.state[big]
+    assert s["exp_avg_codes"].dtype == torch.int8 and s["exp_avg_sq_codes"].dtype == torch.uint8
+    assert s["exp_avg_codes"].shape == big.shape and s["exp_avg_scales"].shape == (25,)
+    assert ("exp_avg_residual_codes" in s) == error_feedback
+    assert opt.state[small]["exp_avg"].dtype == torch.float32
+    expected = _state_bytes_8bit(6300, 256, error_feedback) + 4 + 2 * 4 * 100
+    assert opt.state_nbytes() == expected
+
+
+def _roundtrip(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("state_bits", [8, 32])
+def test_state_dict_keeps_dtypes_bit_exactly_with_bf16_params(state_bits):
+    def make():
+        p = torch.nn.Parameter(torch.randn(80, 64, generator=torch.Generator().manual_seed(0)).bfloat16())
+        return p, AdamW([p], state_bits=state_bits, error_feedback=state_bits == 8)
+
+    p, opt = make()
+    for g in _grads([p.shape], 3):
+        p.grad = g[0].bfloat16()
+        opt.step()
+    loaded = _roundtrip(opt.state_dict())
+    p2, opt2 = make()
+    opt2.load_state_dict(loaded)
+    saved, restored = opt.state[p], opt2.state[p2]
+    assert saved.keys() == restored.keys()
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert restored[key].dtype == value.dtype, key
+            assert torch.equal(restored[key], value), key
+        else:
+            assert restored[key] == value
+
+
+@pytest.mark.parametrize("config", [{"state_bits": 32}, {"state_bits": 8}, {"state_bits": 8, "error_feedback": True}])
+def test_resume_equals_uninterrupted_run(config):
+    k, more = 7, 20
+    grads = _grads(SHAPES[:1] + [(6000,)], k + more, seed=3)
+
+    def make():
+        g = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [SHAPES[0], (6000,)]]
+        return params, AdamW(params, **HYPER, **config)
+
+    params, opt = make()
+    _run_fixed_grads(params, opt, grads)
+
+    head, opt_head = make()
+    _run_fixed_grads(head, opt_head, grads[:k])
+    checkpoint = _roundtrip({"params": [p.detach() for p in head], "optim": opt_head.state_dict()})
+    resumed, opt_resumed = make()
+    with torch.no_grad():
+        for p, saved in zip(resumed, checkpoint["params"]):
+            p.copy_(saved)
+    opt_resumed.load_state_dict(checkpoint["optim"])
+    _run_fixed_grads(resumed, opt_resumed, grads[k:])
+    for a, b in zip(params, resumed):
+        assert torch.equal(a, b)
+
+
+def _stepped_8bit(error_feedback=False, steps=3):
+    p = torch.nn.Parameter(torch.randn(40, 128))
+    opt = AdamW([p], state_bits=8, error_feedback=error_feedback)
+    _run_fixed_grads([p], opt, _grads([p.shape], steps))
+    return p, opt
+
+
+def test_transform_state_8bit_identity_keeps_codes_and_scaling_matches_fp32():
+    p, opt = _stepped_8bit()
+    before = {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    seen = {}
+
+    def identity(m, v):
+        seen["shapes"] = (m.shape, v.shape, m.dtype, v.dtype)
+        return m, v
+
+    opt.transform_state(p, identity)
+    assert seen["shapes"] == (p.shape, p.shape, torch.float32, torch.float32)
+    for key, value in before.items():
+        assert torch.equal(opt.state[p][key], value), key
+
+    captured = {}
+    opt.transform_state(p, lambda m, v: captured.update(m=m.clone(), v=v.clone()) or (m, v))
+    opt.transform_state(p, lambda m, v: (-0.5 * m, 4.0 * v))
+    opt.transform_state(p, lambda m, v: captured.update(m2=m, v2=v) or (m, v))
+    # Requantization error only: half a code step, at most ~4% of a value in the coarsest
+    # decade used here, so compare against the fp32 transform with a 5% + tiny-value tolerance.
+    torch.testing.assert_close(captured["m2"], -0.5 * captured["m"], rtol=0.05, atol=1e-6 * captured["m"].abs().max())
+    torch.testing.assert_close(captured["v2"], 4.0 * captured["v"], rtol=0.05, atol=1e-6 * captured["v"].abs().max())
+
+
+def test_transform_state_fp32_exact_noop_without_state_and_shape_error():
+    p = torch.nn.Parameter(torch.randn(10, 20))
+    opt = AdamW([p])
+    opt.transform_state(p, lambda m, v: pytest.fail("fn must not run before the first step"))
+    _run_fixed_grads([p], opt, _grads([p.shape], 2))
+    m, v = opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()
+    opt.transform_state(p, lambda a, b: (a * 3.0, b + 1.0))
+    assert torch.equal(opt.state[p]["exp_avg"], m * 3.0) and torch.equal(opt.state[p]["exp_avg_sq"], v + 1.0)
+    with pytest.raises(ValueError, match=r"\(10, 20\)"):
+        opt.transform_state(p, lambda a, b: (a.view(-1), b))
+
+
+@pytest.mark.parametrize("state_bits", [8, 32])
+def test_reset_state_restarts_from_step_one(state_bits):
+    p = torch.nn.Parameter(torch.randn(50, 100))
+    opt = AdamW([p], state_bits=state_bits, **HYPER)
+    _run_fixed_grads([p], opt, _grads([p.shape], 4))
+    opt.reset_state(p)
+    assert p not in opt.state
+    fresh = torch.nn.Parameter(p.detach().clone())
+    fresh_opt = AdamW([fresh], state_bits=state_bits, **HYPER)
+    tail = _grads([p.shape], 2, seed=9)
+    _run_fixed_grads([p], opt, tail)
+    _run_fixed_grads([fresh], fresh_opt, tail)
+    assert torch.equal(p, fresh) and opt.state[p]["step"].item() == 2
+
+
+def test_flat_1d_equals_2d_and_empty_and_noncontiguous():
+    grads = _grads([(50, 100)], 3)
+    two_d = torch.nn.Parameter(torch.randn(50, 100))
+    flat = torch.nn.Parameter(two_d.detach().reshape(-1).clone())
+    transposed = torch.nn.Parameter(two_d.detach().t().contiguous().t())  # same values, column-major
+    assert not transposed.is_contiguous()
+    empty = torch.nn.Parameter(torch.zeros(0))
+    opts = [AdamW([q], state_bits=8, **HYPER) for q in (two_d, flat, transposed, empty)]
+    for (g,) in grads:
+        two_d.grad, flat.grad, transposed.grad, empty.grad = g, g.reshape(-1), g.clone(), torch.zeros(0)
+        for o in opts:
+            o.step()
+    # Blocks are cut from the flattened (row-major) values, so all three layouts agree.
+    assert torch.equal(flat.view(50, 100), two_d)
+    assert torch.equal(transposed, two_d)
+    # An empty shard is skipped by the math but keeps (empty) state and its step count.
+    assert opts[3].state[empty]["step"].item() == 3 and opts[3].state_nbytes() == 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    yield init_device_mesh("cpu", (1,))
+    if owns_group:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("config", [{"state_bits": 32}, {"state_bits": 8, "error_feedback": True}])
+def test_dtensor_matches_plain_tensor_and_round_trips(one_rank_mesh, config):
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    shape = (70, 90)
+    init = torch.randn(shape)
+    plain = torch.nn.Parameter(init.clone())
+    sharded = torch.nn.Parameter(distribute_tensor(init.clone(), one_rank_mesh, [Shard(0)]))
+    opt, dt_opt = AdamW([plain], **HYPER, **config), AdamW([sharded], **HYPER, **config)
+    for (g,) in _grads([shape], 3):
+        plain.grad = g
+        sharded.grad = distribute_tensor(g.clone(), one_rank_mesh, [Shard(0)])
+        opt.step()
+        dt_opt.step()
+    assert torch.equal(sharded.full_tensor(), plain)
+    state = dt_opt.state[sharded]
+    assert all(isinstance(v, DTensor) for k, v in state.items() if k not in ("step", "block_size"))
+    loaded = _roundtrip(dt_opt.state_dict())
+    again = AdamW([sharded], **HYPER, **config)
+    again.load_state_dict(loaded)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            restored = again.state[sharded][key]
+            assert type(restored) is type(value) and torch.equal(restored, value), key
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": -1e-3}, r"lr=-0\.001.*>= 0"),
+        ({"betas": (0.9, 1.0)}, r"betas=\(0\.9, 1\.0\).*\[0, 1\)"),
+        ({"betas": (-0.1, 0.999)}, r"betas=.*\[0, 1\)"),
+        ({"eps": 0.0}, r"eps=0\.0.*eps > 0"),
+        ({"weight_decay": -0.1}, r"weight_decay=-0\.1"),
+        ({"state_bits": 4}, r"state_bits=4.*32.*8"),
+        ({"block_size": 300}, r"block_size=300.*power of two"),
+        ({"block_size": 8}, r"block_size=8.*power of two"),
+        ({"error_feedback": True}, r"error_feedback=True needs state_bits=8"),
+    ],
+)
+def test_bad_hyperparameters_name_value_and_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AdamW([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+
+
+def test_bad_group_value_is_rejected():
+    with pytest.raises(ValueError, match=r"block_size=100"):
+        AdamW([{"params": [torch.nn.Parameter(torch.zeros(3))], "block_size": 100}], state_bits=8)
+
+
+_FSDP2_SCRIPT = r'''
+import json, sys, torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from hf_galore_plugin.optim import AdamW
+
+checkpoint_dir, state_bits = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo")
+# Row shards over 2 ranks: (75, 96) -> 38 + 37 rows, (40, 75) -> 20 + 20 rows whose 1500 values
+# cut 64-value blocks differently from the unsharded run, (1, 40) -> 1 + 0 rows (an empty shard).
+# min_8bit_numel=40 puts every tensor but the last bias on 8-bit state.
+config = dict(lr=1e-2, weight_decay=0.1, state_bits=state_bits, error_feedback=state_bits == 8,
+              min_8bit_numel=40, block_size=64)
+
+def build(shard):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 75), torch.nn.Linear(75, 40), torch.nn.Linear(40, 1))
+    if shard:
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    return model, AdamW(model.parameters(), **config)
+
+def local(v):
+    return v.to_local() if hasattr(v, "to_local") else v
+
+reference, reference_opt = build(False)
+model, opt = build(True)
+g = torch.Generator().manual_seed(1)
+batches = [torch.randn(16, 96, generator=g) for _ in range(6)]
+snapshot = None
+for i, x in enumerate(batches):
+    for m, o in ((reference, reference_opt), (model, opt)):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.step()
+    if i == 2:
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=checkpoint_dir)
+        snapshot = [{k: local(v).clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+                    for p in model.parameters()]
+restored_model, restored_opt = build(True)
+loaded = get_optimizer_state_dict(restored_model, restored_opt)
+dcp.load({"optim": loaded}, checkpoint_id=checkpoint_dir)
+set_optimizer_state_dict(restored_model, restored_opt, loaded)
+reload_exact = all(
+    all(torch.equal(local(restored_opt.state[p][k]), v) if torch.is_tensor(v) else restored_opt.state[p][k] == v
+        for k, v in saved.items())
+    for p, saved in zip(restored_model.parameters(), snapshot)
+)
+deviation = max(((p.full_tensor() - r.detach()).norm() / r.detach().norm()).item()
+                for p, r in zip(model.parameters(), reference.parameters()))
+if dist.get_rank() == 0:
+    print("RESULT " + json.dumps({"reload_exact": reload_exact, "deviation": deviation}))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_fsdp2_two_ranks_matches_single_process_and_dcp_reload(tmp_path, state_bits):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "fsdp2_adamw.py"
+    script.write_text(_FSDP2_SCRIPT)
+    env = {**os.environ, "HF_GALORE_DISABLE_TRITON": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    done = subprocess.run(
+        command + [str(tmp_path / "checkpoint"), str(state_bits)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-6000:])
+    result = json.loads(done.stdout.split("RESULT ")[-1].splitlines()[0])
+    assert result["reload_exact"]
+    if state_bits == 32:
+        # Elementwise math on row shards: the sharded run is the unsharded run, bit for bit.
+        assert result["deviation"] == 0.0
+    else:
+        # Blocks are cut from each rank's shard, so the second weight's scales differ from the
+        # unsharded run's; measured 9.6e-5 relative after 6 steps. Bound: one code step of the top
+        # decade (0.9/64 = 1.4%) would be ~1e-2 relative; we require 10x less.
+        assert result["deviation"] < 1e-3
