@@ -23,6 +23,7 @@ __all__ = ["TargetReport", "select_targets", "replace_targets", "unload", "iter_
 
 # peft names its adapter sub-modules lora_A / lora_B / lora_embedding_* / lora_magnitude_vector ...
 _ADAPTER_NAME = re.compile(r"(^|\.)(lora_|ia3_|vera_|boft_|oft_)")
+_HEAD_NAME = re.compile(r"(^|\.)lm_head$")
 
 
 @dataclass
@@ -55,9 +56,15 @@ def _output_head_names(model: nn.Module) -> set[str]:
         except (NotImplementedError, AttributeError):
             head = None
     for name, module in model.named_modules():
-        if module is head or name == "lm_head" or name.endswith(".lm_head"):
+        if module is head or _HEAD_NAME.search(name):
             names.add(name)
     return names
+
+
+def _is_head(name: str, heads: set[str]) -> bool:
+    # peft wraps a head listed in modules_to_save: its trainable copy `lm_head.modules_to_save.default`
+    # is still the output head.
+    return name in heads or any(name.startswith(head + ".") for head in heads)
 
 
 def _matches(name: str, targets) -> bool:
@@ -98,7 +105,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             skip("quantized or non-standard weight")
         elif explicit and not _matches(name, config.target_modules):
             skip("not in target_modules")
-        elif name in heads and not explicit:
+        elif not explicit and _is_head(name, heads):
             skip("output head")
         elif any(name == e or name.endswith("." + e) for e in excluded):
             skip("in exclude_modules")

@@ -359,3 +359,21 @@ def test_resume_is_bit_exact(preset):
     assert resumed.keys() == uninterrupted.keys()
     for key in resumed:
         assert torch.equal(resumed[key], uninterrupted[key]), key
+
+
+def test_peft_modules_to_save_head_is_not_targeted():
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16,
+    )
+    model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(config),
+        peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head", "down_proj"]),
+    )
+    prepare_model(model, GaLoreConfig(rank=8))
+    names = [n for n, _ in galore_layers(model)]
+    assert not any("lm_head" in n for n in names)
+    assert any(n.endswith("down_proj.modules_to_save.default") for n in names)
+    assert not any("lora_" in n or "base_layer" in n for n in names)
