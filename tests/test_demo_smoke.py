@@ -1,0 +1,102 @@
+"""The demo and the two benchmarks run end to end (tiny settings) and their numbers say what they should.
+
+Each runs in a subprocess as a user would run it, with an environment without TRITON_INTERPRET (which
+conftest.py sets for the kernel tests): on CPU the kernels' torch twins run, as in the demo.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def _run(script: str, *args: str, timeout: int = 300) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", MPLBACKEND="Agg")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / script), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def test_demo_trains_every_method_and_writes_its_report(tmp_path):
+    methods = ["adamw_torch", "qgalore_adamw_8bit"]
+    # A 2-layer, hidden-64 Llama on 6 steps of 4 x 32 tokens; update_proj_gap = steps // 5 = 1, so the
+    # Q-GaLore run also goes through basis refreshes.
+    stdout = _run(
+        "examples/demo.py",
+        *("--steps", "6", "--methods", ",".join(methods), "--out", str(tmp_path)),
+        *("--hidden", "64", "--layers", "2", "--heads", "2", "--intermediate", "176"),
+        *("--seq-len", "32", "--batch-size", "4", "--vocab-size", "300", "--eval-blocks", "8"),
+    )
+    for name in ("results.md", "results.json", "loss_curves.png", "memory.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+        assert str(tmp_path / name) in stdout  # the demo says where it wrote
+    summary = json.loads((tmp_path / "results.json").read_text())
+    rows = {row["method"]: row for row in summary["results"]}
+    assert list(rows) == methods
+    for method, row in rows.items():
+        losses = [loss for _, loss in row["loss_history"]]
+        assert len(losses) == 6 and all(math.isfinite(x) for x in losses), (method, losses)
+        assert losses[-1] < losses[0], (method, losses)  # it learned something in 6 steps
+        assert math.isfinite(row["heldout_loss"]) and row["heldout_perplexity"] == pytest.approx(
+            math.exp(row["heldout_loss"])
+        )
+        assert row["steps_per_second"] > 0 and row["state_bytes_total"] == sum(row["state_bytes"].values())
+        assert f"| {method} |" in (tmp_path / "results.md").read_text()
+    adamw, qgalore = rows["adamw_torch"], rows["qgalore_adamw_8bit"]
+    # AdamW holds fp32 weights, grads and two fp32 moments of every parameter: 16 bytes each.
+    params = adamw["trainable_params"]
+    assert adamw["state_bytes"]["grads"] == 4 * params and adamw["state_bytes"]["optimizer_state"] >= 8 * params
+    assert qgalore["state_bytes_total"] < adamw["state_bytes_total"]
+    assert qgalore["state_bytes"]["bases"] > 0 and qgalore["galore_refreshes"] > 0
+
+
+def test_memory_benchmark_quick(tmp_path):
+    stdout = _run("benchmarks/memory.py", "--quick", "--out", str(tmp_path))
+    assert (tmp_path / "memory.md").stat().st_size > 0 and (tmp_path / "memory_bytes_per_param.png").stat().st_size > 0
+    assert "| qgalore_adamw_8bit |" in stdout
+    summary = json.loads((tmp_path / "memory.json").read_text())
+    # The 7B layout formulas reproduce the bytes of the measured run exactly.
+    assert summary["formula_errors"] == {}
+    for size in ("measured", "7b"):
+        total = {method: row["total"] for method, row in summary[size].items()}
+        assert total["qgalore_adamw_8bit"] < total["galore_adamw_8bit"] < total["galore_adamw"] < total["adamw_torch"]
+        assert total["galore_adamw"] < total["galore_torch"], (size, total)
+        # no full-size gradient of a GaLore weight: only factors, embeddings, head and norms have one
+        assert summary[size]["galore_adamw"]["parts"]["grads"] < summary[size]["galore_torch"]["parts"]["grads"]
+    # 7B in bf16: AdamW holds weights, grads and two moments of every parameter in bf16.
+    big = summary["7b"]["adamw_torch"]
+    assert big["total"] == pytest.approx(8 * big["params"], rel=1e-6)
+    assert summary["7b"]["galore_adamw"]["parts"]["grads"] < big["parts"]["grads"] / 5
+
+
+def test_step_benchmark_quick(tmp_path):
+    stdout = _run("benchmarks/step.py", "--quick", "--steps", "4", "--measure-gap", "2", "--out", str(tmp_path))
+    assert "| qgalore_adamw_8bit |" in stdout and (tmp_path / "step.md").stat().st_size > 0
+    result = json.loads((tmp_path / "step.json").read_text())
+    rows = result["rows"]
+    assert set(rows) == {"adamw_torch", "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"}
+    assert rows["adamw_torch"]["ratio_vs_adamw"] == 1.0 and rows["adamw_torch"]["refresh_steps"] == 0
+    for method in ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"):
+        row = rows[method]
+        # rounds 1..4 with a refresh every 2 steps: steps 2 and 4 refresh, 1 and 3 are ordinary
+        assert (row["ordinary_steps"], row["refresh_steps"]) == (2, 2), row
+        assert 0 < row["ratio_vs_adamw"] < math.inf
+        expected = row["median_step_s"] + (row["median_refresh_step_s"] - row["median_step_s"]) / result["gap"]
+        assert row["amortized_step_s"] == pytest.approx(expected)
