@@ -1,0 +1,285 @@
+"""What the quality and fine-tuning benchmarks share: one optimizer setup per method, exact
+training-state bytes, the learning-rate schedule, seed statistics and the loss-curve plot.
+
+Every method trains the same model object in the same plain PyTorch loop, so the only thing that
+differs between two runs of one seed is the method. Imports of the compared packages (peft,
+bitsandbytes, galore-torch, transformers' optimizer dispatch) happen inside the setup of the
+method that needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import statistics
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Names transformers owns ("galore_adamw") must reach transformers' own implementation in these
+# benchmarks: the plugin reads this variable when it is first imported, so set it before that.
+os.environ.setdefault("HF_GALORE_PLUGIN_NO_TAKEOVER", "1")
+
+OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSetup:
+    """How one run trains: the targets and ranks shared by the low-rank methods."""
+
+    targets_regex: str  # nn.Linear layers the low-rank methods act on (re.fullmatch on the module name)
+    extra_trainable: str  # other parameters the adapter methods train fully (re.search on the name)
+    galore_rank: int
+    galore_gap: int
+    galore_scale: float
+    lora_rank: int
+    lora_matched_rank: int
+    head_regex: Optional[str] = None  # parameters (re.search on the name) trained at head_lr by every method
+    head_lr: Optional[float] = None
+
+
+def param_groups(model: nn.Module, setup: MethodSetup, lr: float) -> list[dict[str, Any]]:
+    """Trainable parameters in one group at `lr`, or two when a task head has its own rate."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    is_head = lambda name: setup.head_regex is not None and re.search(setup.head_regex, name)  # noqa: E731
+    groups = [{"params": [p for n, p in named if not is_head(n)], "lr": lr, "weight_decay": 0.0}]
+    head = [p for n, p in named if is_head(n)]
+    if head:
+        groups.append({"params": head, "lr": setup.head_lr, "weight_decay": 0.0})
+    return groups
+
+
+def target_names(model: nn.Module, targets_regex: str) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and re.fullmatch(targets_regex, n)]
+
+
+def matched_lora_rank(model: nn.Module, targets_regex: str, galore_rank: int) -> int:
+    """The LoRA rank whose adapters hold as many trainable values as our GaLore factors at `galore_rank`.
+
+    A GaLore factor of an m x n layer has max(m, n) * r values (one-sided projection); LoRA's A and B
+    hold r' * (m + n). Equal counts mean equal gradient and fp32 Adam-state bytes for the targets.
+    """
+    shapes = [m.weight.shape for n, m in model.named_modules() if n in set(target_names(model, targets_regex))]
+    galore_values = sum(max(s) * min(galore_rank, min(s)) for s in shapes)
+    per_lora_rank = sum(s[0] + s[1] for s in shapes)
+    return max(1, round(galore_values / per_lora_rank))
+
+
+# ---------------------------------------------------------------------- QLoRA-style frozen NF4 base
+class NF4FrozenLinear(nn.Module):
+    """A frozen nn.Linear stored as NF4 (block 64, double-quantized scales: QLoRA's format) through
+    hf_galore_plugin.quant; the forward dequantizes the weight. Its buffers are all it stores."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        from hf_galore_plugin.quant import quantize
+
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        tensors, self._meta = quantize(
+            linear.weight.detach(), scheme="nf4", bits=4, block_size=64, double_quant=True
+        ).to_state()
+        self._names = list(tensors)
+        for name, tensor in tensors.items():
+            self.register_buffer(f"nf4_{name}", tensor)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from hf_galore_plugin.quant import rebuild_quantized_tensor
+
+        state = {name: getattr(self, f"nf4_{name}") for name in self._names}
+        return F.linear(x, rebuild_quantized_tensor(state, self._meta).dequantize(x.dtype), self.bias)
+
+
+# ---------------------------------------------------------------------- methods
+def _lora(model: nn.Module, setup: MethodSetup, rank: int, nf4_base: bool) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    names = target_names(model, setup.targets_regex)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=names)
+    model = get_peft_model(model, config)
+    for name, param in model.named_parameters():
+        if "lora_" not in name and re.search(setup.extra_trainable, name):
+            param.requires_grad_(True)
+    if nf4_base:
+        for module in model.modules():
+            if isinstance(module, LoraLayer) and isinstance(module.base_layer, nn.Linear):
+                module.base_layer = NF4FrozenLinear(module.base_layer)
+    return model
+
+
+def _galore_torch_groups(model: nn.Module, setup: MethodSetup) -> list[dict[str, Any]]:
+    names = {f"{n}.weight" for n in target_names(model, setup.targets_regex)}
+    params = dict(model.named_parameters())
+    return [
+        {"params": [p for n, p in params.items() if n not in names and p.requires_grad]},
+        {
+            "params": [p for n, p in params.items() if n in names and p.requires_grad],
+            "rank": setup.galore_rank,
+            "update_proj_gap": setup.galore_gap,
+            "scale": setup.galore_scale,
+            "proj_type": "std",
+        },
+    ]
+
+
+def _transformers_galore(model: nn.Module, setup: MethodSetup, lr: float) -> torch.optim.Optimizer:
+    """transformers' own `optim="galore_adamw"` dispatch (Trainer.get_optimizer_cls_and_kwargs)."""
+    from transformers import Trainer, TrainingArguments
+
+    import hf_galore_plugin.integrations.transformers as plugin
+
+    if plugin.served_optimizer_names().get("galore_adamw") == "takeover":
+        raise RuntimeError(
+            "hf_galore_plugin serves optim='galore_adamw' in this process; run this benchmark as a script "
+            "(it sets HF_GALORE_PLUGIN_NO_TAKEOVER=1 before the plugin is imported)"
+        )
+    args = TrainingArguments(
+        output_dir=os.devnull, optim="galore_adamw", learning_rate=lr, weight_decay=0.0, report_to="none",
+        optim_target_modules=setup.targets_regex, use_cpu=True,
+        optim_args=f"rank={setup.galore_rank},update_proj_gap={setup.galore_gap},scale={setup.galore_scale}",
+    )  # fmt: skip
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    if not cls.__module__.startswith("galore_torch"):
+        raise RuntimeError(f"transformers dispatched optim='galore_adamw' to {cls.__module__}.{cls.__name__}")
+    params = kwargs.pop("params")
+    return cls(params, **kwargs)
+
+
+def setup_method(
+    method: str, model: nn.Module, setup: MethodSetup, *, lr: float
+) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """(model, optimizer, after_step) for `method`; weight decay 0 and Adam eps 1e-8 everywhere."""
+    after_step: Callable[[], None] = lambda: None  # noqa: E731
+    common = {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    if method == "adamw":
+        optimizer = torch.optim.AdamW(param_groups(model, setup, lr), **common)
+    elif method == "bnb_adamw8bit":
+        import bitsandbytes as bnb
+
+        optimizer = bnb.optim.AdamW8bit(param_groups(model, setup, lr), **common)
+    elif method == "galore_torch":
+        from galore_torch import GaLoreAdamW
+
+        optimizer = GaLoreAdamW(_galore_torch_groups(model, setup), **common)
+    elif method == "transformers_galore":
+        optimizer = _transformers_galore(model, setup, lr)
+    elif method in OURS:
+        from hf_galore_plugin import GaLoreConfig, after_step as galore_after_step, create_optimizer, prepare_model
+
+        config = GaLoreConfig.preset(
+            method, rank=setup.galore_rank, update_proj_gap=setup.galore_gap, scale=setup.galore_scale,
+            target_modules=setup.targets_regex,
+        )  # fmt: skip
+        model = prepare_model(model, config)
+        optimizer = create_optimizer(model, **common, param_groups=param_groups(model, setup, lr))
+
+        def after_step() -> None:
+            galore_after_step(model, optimizer)
+
+    elif method in ("lora_r8", "lora_matched", "qlora_nf4"):
+        rank = setup.lora_rank if method == "lora_r8" else setup.lora_matched_rank
+        model = _lora(model, setup, rank, nf4_base=method == "qlora_nf4")
+        optimizer = torch.optim.AdamW(param_groups(model, setup, lr), **common)
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    return model, optimizer, after_step
+
+
+def method_note(method: str, setup: MethodSetup) -> str:
+    if method in OURS or method in ("galore_torch", "transformers_galore"):
+        return f"rank {setup.galore_rank}, gap {setup.galore_gap}, scale {setup.galore_scale}"
+    if method == "lora_r8":
+        return f"rank {setup.lora_rank}, alpha {2 * setup.lora_rank}"
+    if method in ("lora_matched", "qlora_nf4"):
+        return f"rank {setup.lora_matched_rank}, alpha {2 * setup.lora_matched_rank}" + (
+            ", NF4 base (block 64, double quant)" if method == "qlora_nf4" else ""
+        )
+    return ""
+
+
+# ---------------------------------------------------------------------- measurement
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Exact bytes training holds besides activations, read while the gradients exist: parameters and
+    buffers (frozen and quantized weights included), gradients, optimizer state, projection bases
+    (our layers' basis buffers; galore-torch's projector matrices, which live in its optimizer state)."""
+    bases = [b for name, b in model.named_buffers() if "galore_basis_" in name]
+    others = [b for name, b in model.named_buffers() if "galore_basis_" not in name]
+    state, projectors = [], []
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                state.append(value)
+            elif hasattr(value, "ortho_matrix"):
+                projectors.append(value.ortho_matrix)
+    return {
+        "weights": _tensor_bytes(model.parameters()) + _tensor_bytes(others),
+        "grads": _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "optimizer_state": _tensor_bytes(state),
+        "bases": _tensor_bytes(bases) + _tensor_bytes(projectors),
+    }
+
+
+def warmup_cosine(steps: int, warmup_fraction: float = 0.1, final_ratio: float = 0.1) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to `final_ratio` of the peak (the GaLore paper's schedule)."""
+    warmup = max(1, int(steps * warmup_fraction))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def mean_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def format_mean_spread(values: list[float], digits: int = 3) -> str:
+    mean, spread = mean_spread(values)
+    return f"{mean:.{digits}f} ± {spread:.{digits}f}" if len(values) > 1 else f"{mean:.{digits}f}"
+
+
+def mb(n: Optional[float]) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.2f}"
+
+
+def ema(values: list[float], beta: float = 0.9) -> list[float]:
+    out, avg = [], None
+    for v in values:
+        avg = v if avg is None else beta * avg + (1 - beta) * v
+        out.append(avg)
+    return out
+
+
+def plot_curves(curves: dict[str, list[float]], markers: dict[str, float], path, *, title: str, ylabel: str) -> None:
+    """One smoothed (EMA 0.9) training-loss curve per method; an x at the end marks `markers[method]`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for method, losses in curves.items():
+        steps = list(range(1, len(losses) + 1))
+        line = ax.plot(steps, ema(losses), label=f"{method} ({markers[method]:.3f})", linewidth=1.2)[0]
+        ax.scatter([steps[-1]], [markers[method]], marker="x", color=line.get_color())
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU subset of the benchmarks, for one Hopper GPU (H100/H200), in under 8 minutes:
+#   1. quantization kernel throughput (benchmarks/quant.py),
+#   2. fused 8-bit AdamW kernel throughput vs torch fused AdamW and bitsandbytes AdamW8bit,
+#   3. step time and peak torch.cuda.max_memory_allocated of a ~1.1B Llama (hidden 2048, intermediate
+#      5504, 22 layers, bf16) for AdamW, bitsandbytes AdamW8bit (if importable) and our three presets,
+#      each method in its own process so peaks do not mix.
+# Usage: bash benchmarks/gpu.sh [OUT_DIR]       (default outputs/gpu)
+# Writes OUT_DIR/gpu.md (all tables, with date and device, to copy into BENCHMARKS.md) and gpu.log.
+# Without CUDA it runs nothing and exits with status 2 and a message saying why.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python}"
+OUT="${1:-outputs/gpu}"
+
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  torch_info="$("$PYTHON" -c 'import torch; print(f"torch {torch.__version__}, CUDA build {torch.version.cuda}")' 2>/dev/null || echo "torch not importable with $PYTHON")"
+  echo "gpu.sh: no CUDA GPU is visible to torch ($torch_info); nothing was measured." >&2
+  echo "gpu.sh: run it on a machine with one Hopper GPU (H100/H200) and a CUDA build of torch." >&2
+  exit 2
+fi
+
+mkdir -p "$OUT"
+LOG="$OUT/gpu.log"
+: > "$LOG"
+device="$("$PYTHON" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")')"
+versions="$("$PYTHON" -c 'import torch, triton; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}")' 2>/dev/null || echo unknown)"
+case "$device" in *sm_9*) ;; *) echo "gpu.sh: $device is not Hopper (sm_90); running anyway" | tee -a "$LOG" ;; esac
+started=$(date +%s)
+failures=0
+run() {  # run LABEL TIMEOUT_S COMMAND...: log everything; a failure is recorded, the script goes on
+  local label="$1" limit="$2"; shift 2
+  echo "=== $label: $*" | tee -a "$LOG"
+  if ! timeout "$limit" "$@" >> "$LOG" 2>&1; then
+    echo "=== $label FAILED (see $LOG)" | tee -a "$LOG"
+    failures=$((failures + 1))
+  fi
+}
+
+run "quantization kernels" 120 "$PYTHON" benchmarks/quant.py --out "$OUT/quant"
+run "fused 8-bit AdamW kernel" 90 "$PYTHON" benchmarks/gpu_step.py kernel --out "$OUT"
+for method in adamw bnb_adamw8bit galore_adamw galore_adamw_8bit qgalore_adamw_8bit; do
+  if [ "$method" = bnb_adamw8bit ] && ! "$PYTHON" -c 'import bitsandbytes' 2>/dev/null; then
+    echo "=== bnb_adamw8bit: bitsandbytes is not importable, skipped" | tee -a "$LOG"
+    continue
+  fi
+  run "1B step: $method" 75 "$PYTHON" benchmarks/gpu_step.py step --method "$method" --out "$OUT"
+done
+"$PYTHON" benchmarks/gpu_step.py table --out "$OUT" >> "$LOG" 2>&1
+
+{
+  echo "## GPU"
+  echo
+  echo "Measured $(date -u +%Y-%m-%d) on $device ($versions) with \`bash benchmarks/gpu.sh\`;"
+  echo "$(( $(date +%s) - started )) s in all, $failures step(s) failed (see gpu.log)."
+  echo
+  echo "### Quantization kernels (benchmarks/quant.py)"
+  echo
+  cat "$OUT/quant/quant.md" 2>/dev/null || echo "(not measured: see gpu.log)"
+  echo
+  echo "### Fused 8-bit AdamW step, 64M values"
+  echo
+  cat "$OUT/kernel.md" 2>/dev/null || echo "(not measured: see gpu.log)"
+  echo
+  echo "### 1.1B Llama step (bf16, batch 4 x 512)"
+  echo
+  cat "$OUT/step.md" 2>/dev/null || echo "(not measured: see gpu.log)"
+} > "$OUT/gpu.md"
+cat "$OUT/gpu.md"
+echo "wrote $OUT/gpu.md and $LOG"
+[ "$failures" -eq 0 ]

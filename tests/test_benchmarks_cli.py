@@ -1,0 +1,90 @@
+"""The benchmark entry points run end to end: benchmarks/quality.py --quick, benchmarks/finetune.py --quick,
+benchmarks/gpu_step.py on a tiny model, and benchmarks/gpu.sh's message without CUDA.
+
+Each runs in a subprocess with an environment without TRITON_INTERPRET (conftest sets it for the kernel
+tests; the benchmarks must run the torch twins on CPU, as a user's machine would).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _run(args: list[str], tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _finite(*values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def test_quality_quick_trains_every_method(tmp_path):
+    _run([sys.executable, "benchmarks/quality.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    summary = json.loads((tmp_path / "quality.json").read_text())
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from quality import METHODS
+
+    assert [r["method"] for r in summary["runs"]] == list(METHODS)
+    for run in summary["runs"]:
+        assert not run["diverged"], run["method"]
+        assert _finite(run["first_train_loss"], run["final_train_loss"], run["heldout_loss"]), run["method"]
+        assert run["final_train_loss"] < run["first_train_loss"] - 0.1, run["method"]
+        assert run["state_bytes_total"] > 0
+    by_method = {r["method"]: r for r in summary["runs"]}
+    # QLoRA's frozen base is NF4: its weights take less memory than LoRA's fp32 base at the same rank
+    assert by_method["qlora_nf4"]["state_bytes"]["weights"] < by_method["lora_matched"]["state_bytes"]["weights"]
+    assert {c["target"].split(" ")[0] for c in summary["targets"]} == {"ours", "qgalore_adamw_8bit"}
+    assert all(isinstance(c["met"], bool) for c in summary["targets"])
+    assert (tmp_path / "quality_curves.png").stat().st_size > 10_000
+    assert "| galore_torch |" in (tmp_path / "quality.md").read_text()
+
+
+def test_finetune_quick_learns_the_task(tmp_path):
+    _run([sys.executable, "benchmarks/finetune.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    summary = json.loads((tmp_path / "finetune.json").read_text())
+    assert {r["method"] for r in summary["runs"]} == set(summary["encoder_lr"])
+    for run in summary["runs"]:
+        assert _finite(run["first_train_loss"], run["final_train_loss"], run["test_accuracy"]), run["method"]
+        assert 0.0 <= run["test_accuracy"] <= 1.0
+        assert run["final_train_loss"] < run["first_train_loss"], run["method"]
+    assert (tmp_path / "finetune_curves.png").stat().st_size > 10_000
+
+
+def test_gpu_step_code_path_on_a_tiny_model(tmp_path):
+    for method in ("adamw", "qgalore_adamw_8bit"):
+        _run([sys.executable, "benchmarks/gpu_step.py", "step", "--method", method, "--tiny", "--device", "cpu",
+              "--out", str(tmp_path)], tmp_path)  # fmt: skip
+    _run([sys.executable, "benchmarks/gpu_step.py", "table", "--out", str(tmp_path)], tmp_path)
+    result = json.loads((tmp_path / "step_qgalore_adamw_8bit.json").read_text())
+    assert _finite(result["seconds_per_step"]) and result["seconds_per_step"] > 0
+    table = (tmp_path / "step.md").read_text()
+    assert "| qgalore_adamw_8bit |" in table and "| galore_adamw | not run" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_sh_without_cuda_says_so_and_fails(tmp_path):
+    out = tmp_path / "gpu"
+    proc = subprocess.run(["bash", "benchmarks/gpu.sh", str(out)], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA GPU is visible to torch" in proc.stderr
+    assert "Hopper" in proc.stderr
+    assert not out.exists()  # nothing measured, nothing written
