@@ -67,18 +67,28 @@ def galore_param_groups(
 
     The factor's true gradient is ``scale * R`` (R = the projected gradient GaLore's Adam sees), so
     the group's eps is multiplied by ``scale``: Adam(scale * R, eps * scale) == Adam(R, eps) exactly,
-    and the weight moves by ``lr * scale * update`` as in GaLore.
+    and the weight moves by ``lr * scale * update`` as in GaLore. Each GaLore group also records the
+    names of its layers (``"galore_layers"``), for engines that replace its parameters by flat
+    partitions (DeepSpeed ZeRO).
     """
-    factors = {id(layer.galore_factor) for _, layer in iter_galore_layers(model)}
+    owners = {id(layer.galore_factor): name for name, layer in iter_galore_layers(model)}
     result = []
     for group in param_groups:
         params = list(group["params"])
-        plain = [p for p in params if id(p) not in factors]
-        lowrank = [p for p in params if id(p) in factors]
+        plain = [p for p in params if id(p) not in owners]
+        lowrank = [p for p in params if id(p) in owners]
         if plain:
             result.append({**group, "params": plain})
         if lowrank:
-            result.append({**group, "params": lowrank, "eps": group.get("eps", eps) * config.scale, "galore": True})
+            result.append(
+                {
+                    **group,
+                    "params": lowrank,
+                    "eps": group.get("eps", eps) * config.scale,
+                    "galore": True,
+                    "galore_layers": [owners[id(p)] for p in lowrank],
+                }
+            )
     return result
 
 
@@ -88,19 +98,35 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
     AdamW decays the factor itself; the base W0 is not a parameter of the optimizer, so after every step
     ``alpha *= 1 - lr * weight_decay`` with the group's lr of that step (a post-hook runs before any LR
     scheduler step). Together the whole effective weight decays, as GaLore's AdamW does.
+
+    Layers are looked up at every step, not when the hook is installed: FSDP2 replaces parameters
+    by DTensors and accelerate swaps them into an optimizer built before wrapping. A layer decays when
+    its factor had a gradient this step (as AdamW skips parameters without one). When an engine has
+    replaced a group's parameters by its own flat partitions (DeepSpeed ZeRO), every layer recorded
+    in the group's ``"galore_layers"`` decays on each step the engine takes (ZeRO steps the whole
+    partition, unused factors included; a step it skips on fp16 overflow never reaches this hook;
+    ZeRO-3 must keep each GaLore group in one sub-group: its default ``sub_group_size`` of 1e9 does).
     """
-    owner = {id(layer.galore_factor): layer for _, layer in iter_galore_layers(model)}
 
     def hook(opt: torch.optim.Optimizer, args, kwargs) -> None:
+        layers: Optional[dict[str, GaLoreLinear]] = None
         for group in opt.param_groups:
             wd = group.get("weight_decay", 0.0)
-            if not group.get("galore") or not wd:
+            # ZeRO-3 steps one sub-group at a time and leaves the other groups' "params" empty meanwhile.
+            if not group.get("galore") or not wd or not group["params"]:
                 continue
-            factor = 1.0 - group["lr"] * wd
-            for p in group["params"]:
-                layer = owner.get(id(p))
-                if layer is not None and p.grad is not None:
-                    layer.base_multiplier.mul_(factor)
+            if layers is None:
+                layers = dict(iter_galore_layers(model))
+                by_factor = {id(layer.galore_factor): layer for layer in layers.values()}
+            factor = 1.0 - float(group["lr"]) * wd
+            owned = [(p, by_factor.get(id(p))) for p in group["params"]]
+            if any(layer is not None for _, layer in owned):
+                for p, layer in owned:
+                    if layer is not None and p.grad is not None:
+                        layer.base_multiplier.mul_(factor)
+            else:
+                for name in group.get("galore_layers", ()):
+                    layers[name].base_multiplier.mul_(factor)
 
     return optimizer.register_step_post_hook(hook)
 
@@ -127,6 +153,8 @@ def create_optimizer(
         raise ValueError("model is not prepared: call prepare_model(model, config) first, or pass config")
     if not galore_layers(model):
         raise ValueError("model has no GaLore layers: call prepare_model(model, config) before create_optimizer")
+    for _, layer in galore_layers(model):
+        layer._check_factor_layout()  # FSDP1 flattens parameters: fail here, before the first step
     if param_groups is None:
         param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
     groups = galore_param_groups(model, param_groups, config, eps=eps)

@@ -22,6 +22,7 @@ factor's optimizer state is reset so step 1 is Adam's first real step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -33,6 +34,11 @@ from torch import nn
 
 from .config import GaLoreConfig
 from .projection import BasisError, compute_basis, resolve_sides, subspace_similarity, transport_matrix
+
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # torch built without distributed support
+    DTensor = None
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +126,14 @@ class GaLoreLinear(nn.Module):
         weight = base.weight
         if not weight.is_floating_point():
             raise TypeError(f"GaLoreLinear needs a floating-point weight, got {weight.dtype}")
+        if getattr(weight, "ds_numel", weight.numel()) != weight.numel():
+            # DeepSpeed ZeRO-3 zero.Init (from_pretrained under a stage-3 config) left only this rank's
+            # partition here; copying it would silently lose the rest of W0.
+            raise RuntimeError(
+                f"GaLoreLinear: the weight ({weight.ds_numel} values) is partitioned by DeepSpeed ZeRO-3 "
+                "(zero.Init); replace layers before partitioning, or inside "
+                "deepspeed.zero.GatheredParameters(module.parameters(), modifier_rank=0)"
+            )
         self.config = config
         self.in_features = base.in_features
         self.out_features = base.out_features
@@ -269,19 +283,66 @@ class GaLoreLinear(nn.Module):
         return (a.mT @ b).to(self.galore_factor.dtype) * self.config.scale
 
     def lowrank_delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """scale * (P) B (Q^T) as an m x n tensor (formed only when merging or refreshing)."""
+        """scale * (P) B (Q^T) as a full m x n tensor (formed only when merging or refreshing).
+
+        A sharded factor (FSDP2 DTensor) is gathered first: a collective, every rank must call it.
+        """
+        self._check_factor_layout()
         p, q = self.basis("left", dtype), self.basis("right", dtype)
-        delta = self.galore_factor.detach().to(dtype)
+        delta = _full_tensor(self.galore_factor.detach()).to(dtype)
         if q is not None:
             delta = delta @ q.mT
         if p is not None:
             delta = p @ delta
         return delta * self.config.scale
 
+    def _local_lowrank_delta(self, like: "DTensor") -> torch.Tensor:
+        """This rank's part of the low-rank delta, for a W0 sharded as `like` (FSDP2: Shard(0) rows)."""
+        factor = self.galore_factor.detach()
+        row_local = (
+            (self.left_rank is None or self.left_identity)
+            and _is_dtensor(factor)
+            and factor.device_mesh == like.device_mesh
+            and tuple(factor.placements) == tuple(like.placements)
+        )
+        if row_local:
+            # B (m x r) and W0 (m x n) share their rows and are cut the same way: the right-basis fold
+            # W0 += scale * B Q^T is local to each shard and needs no communication.
+            delta = factor.to_local().to(torch.float32)
+            q = self.basis("right", torch.float32)
+            if q is not None:
+                delta = delta @ q.mT
+            return delta * self.config.scale
+        # A left basis mixes all rows of B into each row of W0: gather B (small), form the delta, keep
+        # this rank's rows (src_data_rank=None splits locally, without communication).
+        full = self.lowrank_delta(torch.float32)
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
     def effective_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """alpha * W0 + scale * lowrank(B): the weight the layer computes with, in fp32 by default."""
+        """alpha * W0 + scale * lowrank(B): the weight the layer computes with, in fp32 by default.
+
+        When W0 is a sharded DTensor (FSDP2) the result is a DTensor placed like W0 (``full_tensor()``
+        gathers it); otherwise a full tensor (gathering a sharded factor: every rank must call it).
+        """
+        dtype = dtype or torch.float32
+        if _is_dtensor(self.weight):
+            w = self.weight
+            local = w.to_local().to(torch.float32) * self.base_multiplier + self._local_lowrank_delta(w)
+            return DTensor.from_local(
+                local.to(dtype), w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
+            )
         w = self.base_weight(torch.float32) * self.base_multiplier + self.lowrank_delta(torch.float32)
-        return w.to(dtype or torch.float32)
+        return w.to(dtype)
+
+    def _check_factor_layout(self) -> None:
+        expected = (self.left_rank or self.out_features, self.right_rank or self.in_features)
+        if tuple(self.galore_factor.shape) != expected:
+            raise RuntimeError(
+                f"GaLore factor has shape {tuple(self.galore_factor.shape)}, expected {expected}: an engine "
+                "flattened it (FSDP1 use_orig_params, or ZeRO-3 outside a gather). Refresh and merge need the "
+                "2-D factor: use FSDP2 (fully_shard / accelerate fsdp_version: 2) or DeepSpeed ZeRO-1/2/3 with "
+                "hf_galore_plugin.integrations.distributed.DeepSpeedGaLoreOptimizer."
+            )
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -354,9 +415,19 @@ class GaLoreLinear(nn.Module):
         self._refresh_due_cache = None
         return similarity
 
-    @torch.no_grad()
     def refresh(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
-        """Fold the factor into W0, compute the new basis from the recorded gradient, adapt the gap."""
+        """Fold the factor into W0, compute the new basis from the recorded gradient, adapt the gap.
+
+        `optimizer` may be an engine adapter (hf_galore_plugin.integrations.distributed) that also
+        provides ``gathered_parameters(layer)``: a context in which the layer's partitioned
+        parameters are whole (DeepSpeed ZeRO-3) and after which changes are partitioned again.
+        """
+        gather = getattr(optimizer, "gathered_parameters", None)
+        with gather(self) if gather is not None else contextlib.nullcontext():
+            return self._refresh(optimizer)
+
+    @torch.no_grad()
+    def _refresh(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
         grad = self._pending_grad
         self._pending_grad = None
         if grad is None:
@@ -389,7 +460,7 @@ class GaLoreLinear(nn.Module):
             return None
 
         old_bases = {side: self.basis(side, torch.float32).clone() for side in new_bases}
-        self._fold_factor_into_base()
+        self._fold_factor_into_base(optimizer)
         for side, basis in new_bases.items():
             self._set_basis(side, basis)
         stored = {side: self.basis(side, torch.float32) for side in new_bases}
@@ -408,19 +479,24 @@ class GaLoreLinear(nn.Module):
         self.galore_num_refreshes += 1
         return similarity
 
-    def _fold_factor_into_base(self) -> None:
+    def _fold_factor_into_base(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         merged = self.effective_weight(torch.float32)
         if self.weight is not None:
+            merged = _local(merged)
             if self.weight.dtype == torch.bfloat16 and self.config.stochastic_rounding:
-                self.weight.data = _stochastic_round_to_bf16(merged, self._next_generator(merged.device))
-            else:
-                self.weight.data = merged.to(self.weight.dtype)
+                merged = _stochastic_round_to_bf16(merged, self._next_generator(merged.device))
+            # In place: FSDP2 all-gathers W0 from the storage of its local shard, and DDP/ZeRO keep
+            # references to the parameter; rebinding `.data` would detach W0 from the engine.
+            _local(self.weight).copy_(merged)
         else:
             self._store_quantized(
                 "weight_q", merged, self.config.weight_storage, self.config.effective_weight_group_size
             )
         self.base_multiplier.fill_(1.0)
-        self.galore_factor.data.zero_()
+        _local(self.galore_factor).zero_()
+        if optimizer is not None and hasattr(optimizer, "param_changed"):
+            # Engines that keep their own master copy of the factor (DeepSpeed ZeRO) reload it from the model.
+            optimizer.param_changed(self.galore_factor)
 
     def _update_lazy_gap(self, similarity: float) -> None:
         # Q-GaLore (Zhang et al. 2024, Sec. 3.3): layers whose subspace stopped moving refresh less often.
@@ -439,6 +515,12 @@ class GaLoreLinear(nn.Module):
         # First moment: exact change of coordinates (it is a linear function of past projected
         # gradients). Second moment: no exact transport exists for an elementwise statistic; mapping it
         # with the squared transport matrix keeps it non-negative and exact for permutations/sign flips.
+        if "left" in new and _is_dtensor(self.galore_factor):
+            # The optimizer sees the factor's local rows only; a left transport mixes all rows.
+            raise NotImplementedError(
+                "moment_handling='project' with a left basis is not supported on a sharded (FSDP2) factor; "
+                "use moment_handling='keep' or 'reset', or proj_type='right'"
+            )
         t_left = transport_matrix(old["left"], new["left"]) if "left" in new else None
         t_right = transport_matrix(old["right"], new["right"]) if "right" in new else None
 
@@ -488,6 +570,20 @@ class GaLoreLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
         self._refresh_due_cache = None
         self._pending_grad = None
+
+
+def _is_dtensor(t: Optional[torch.Tensor]) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the storage the engine owns), any other tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    # All-gathers a DTensor: a collective, so every rank of its mesh must reach this call.
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def _relative_rms(approx: torch.Tensor, exact: torch.Tensor) -> float:

@@ -1,0 +1,131 @@
+"""Run by tests/test_distributed_fsdp.py and tests/test_distributed_deepspeed.py: GaLore under a
+sharding engine (ENGINE=fsdp2 | fsdp1 | zero1 | zero2 | zero3) on 2 gloo ranks, or in one process
+(ENGINE=single), over the same global batch with gradient accumulation 2.
+
+Checks on every refresh that all ranks hold the same bases, and writes the loss trajectory, the
+merged weights (gathered to full tensors) and per-layer base multipliers of rank 0 to argv[1].
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, merged_state_dict, prepare_model
+
+STEPS = int(os.environ.get("STEPS", 30))
+GLOBAL_BATCH, ACCUMULATION, LR, WEIGHT_DECAY = 16, 2, 1e-2, 0.01
+
+
+class Block(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d_in, d_out)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.proj(x))
+
+
+def build_model(preset: str, proj_type: str) -> nn.Module:
+    torch.manual_seed(0)
+    # Odd sizes shard unevenly over 2 ranks: 33 rows (right basis, 33x16) -> 17 + 16; 25 rows (left
+    # basis, 25x33) -> 13 + 12; the left factors have 4 rows -> 2 + 2.
+    model = nn.Sequential(Block(16, 33), Block(33, 25), Block(25, 12), nn.Linear(12, 8))
+    config = GaLoreConfig.preset(
+        preset, rank=4, update_proj_gap=10, proj_type=proj_type, target_modules=["0.proj", "1.proj", "2.proj"]
+    )
+    return prepare_model(model, config)
+
+
+def batches(rank: int, world: int):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x = torch.randn(GLOBAL_BATCH, 16, generator=gen)
+        y = torch.sin(x[:, :8] * 2)
+        local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+        yield list(zip(x[local].chunk(ACCUMULATION), y[local].chunk(ACCUMULATION)))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def check_bases_identical(model: nn.Module, world: int, step: int) -> None:
+    for name, layer in galore_layers(model):
+        for side in ("left", "right"):
+            basis = layer.basis(side)
+            if basis is None or world == 1:
+                continue
+            gathered = [torch.empty_like(basis) for _ in range(world)]
+            dist.all_gather(gathered, basis.contiguous())
+            assert all(torch.equal(gathered[0], g) for g in gathered), f"{name} {side} basis differs at step {step}"
+
+
+def main(out: str) -> None:
+    engine_name = os.environ["ENGINE"]
+    distributed = engine_name != "single"
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    model = build_model(os.environ.get("PRESET", "galore_adamw"), os.environ.get("PROJ_TYPE", "std"))
+
+    if engine_name.startswith("zero"):
+        from _deepspeed_loop import train_deepspeed
+
+        losses, refreshes, weights = train_deepspeed(model, int(engine_name[-1]), batches(rank, world), world)
+    else:
+        if engine_name == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in list(model)[:3]:
+                fully_shard(block)
+            fully_shard(model)
+        elif engine_name == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            model = FullyShardedDataParallel(
+                model, use_orig_params=True, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block})
+            )
+        optimizer = create_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
+        if os.environ.get("FAKE_STEP") == "1":
+            # What FSDP2/DCP checkpointing does to an optimizer without state: a zero-gradient step at lr 0.
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            get_optimizer_state_dict(model, optimizer)
+            assert all(float(l.base_multiplier) == 1.0 for _, l in galore_layers(model))
+            assert all(int(l.galore_step) == 0 for _, l in galore_layers(model))
+        losses, refreshes = [], 0
+        for step, micro_batches in enumerate(batches(rank, world)):
+            total = torch.zeros(())
+            for i, (xm, ym) in enumerate(micro_batches):
+                if engine_name == "fsdp2":
+                    model.set_requires_gradient_sync(i == ACCUMULATION - 1)
+                loss = nn.functional.mse_loss(model(xm), ym) / ACCUMULATION
+                loss.backward()
+                total += loss.detach()
+            optimizer.step()
+            event = after_step(model, optimizer)
+            optimizer.zero_grad()
+            if distributed:
+                dist.all_reduce(total)
+                total /= world
+            losses.append(float(total))
+            if event["refreshed"]:
+                refreshes += 1
+                check_bases_identical(model, world, step)
+
+        weights = {k: full(v).detach().clone() for k, v in merged_state_dict(model).items()}
+    multipliers = {name: float(layer.base_multiplier) for name, layer in galore_layers(model)}
+    if rank == 0:
+        torch.save({"losses": losses, "refreshes": refreshes, "weights": weights, "multipliers": multipliers}, out)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
