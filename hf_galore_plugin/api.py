@@ -261,8 +261,10 @@ def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         stats[f"galore/bytes_{role}"] = float(n)
     if optimizer is not None and hasattr(optimizer, "state_nbytes"):
         stats["galore/bytes_optimizer_state"] = float(optimizer.state_nbytes())
-    errors = [l.quantization_error() for _, l in layers]
-    weight_errors = [e["weight"] for e in errors if "weight" in e]
-    if weight_errors:
-        stats["galore/weight_quant_error"] = sum(weight_errors) / len(weight_errors)
+    errors: dict[str, list[float]] = {}
+    for _, layer in layers:
+        for role, error in layer.quantization_error().items():
+            errors.setdefault(role, []).append(error)
+    for role, values in errors.items():
+        stats[f"galore/{role}_quant_error"] = sum(values) / len(values)
     return stats

@@ -86,6 +86,9 @@ class _GaLoreLinearFunction(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         ctx.layer = layer
         ctx.has_bias = bias is not None
+        # Read here, as a Python bool kept up to date outside the step, so torch.compile traces the
+        # backward without a tensor-to-Python sync (the flag cannot change between forward and backward).
+        ctx.record = layer.refresh_due
         ctx.save_for_backward(x, factor)
         return y
 
@@ -105,7 +108,7 @@ class _GaLoreLinearFunction(torch.autograd.Function):
             grad_factor = layer._lowrank_backward_factor(dy, x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(0)
-        if layer.refresh_due:
+        if ctx.record:
             layer._record_gradient(dy, x2)
         return grad_x, grad_factor, grad_bias, None
 
@@ -135,6 +138,7 @@ class GaLoreLinear(nn.Module):
                 "deepspeed.zero.GatheredParameters(module.parameters(), modifier_rank=0)"
             )
         self.config = config
+        self._quant_errors: dict[str, float] = {}
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.weight_dtype = weight.dtype  # the dtype the model was loaded in; merges return to it
@@ -184,6 +188,7 @@ class GaLoreLinear(nn.Module):
         self.register_buffer("galore_rng_counter", buf(0, torch.int64))
         self._pending_grad: Optional[torch.Tensor] = None
         self._refresh_due_cache: Optional[bool] = None
+        self._update_refresh_due()
 
     # ------------------------------------------------------------------ storage helpers
     def _store_quantized(self, prefix: str, value: torch.Tensor, storage: str, group_size: int) -> None:
@@ -198,6 +203,10 @@ class GaLoreLinear(nn.Module):
             block_size=group_size,
             stochastic=stochastic,
             generator=self._next_generator(value.device) if stochastic else None,
+        )
+        # Measured here, where the exact value is at hand, so logging it costs nothing later.
+        self._quant_errors[prefix.removeprefix("galore_").removesuffix("_q")] = _relative_rms(
+            qt.dequantize(torch.float32), value.to(torch.float32)
         )
         tensors, meta = qt.to_state()
         for key, tensor in tensors.items():
@@ -378,8 +387,11 @@ class GaLoreLinear(nn.Module):
         the cache is dropped whenever the counters change (step, refresh, load_state_dict).
         """
         if self._refresh_due_cache is None:
-            self._refresh_due_cache = self._compute_refresh_due()
+            self._update_refresh_due()
         return self._refresh_due_cache
+
+    def _update_refresh_due(self) -> None:
+        self._refresh_due_cache = self._compute_refresh_due()
 
     def _compute_refresh_due(self) -> bool:
         if not self.needs_basis:
@@ -412,7 +424,7 @@ class GaLoreLinear(nn.Module):
             else:
                 similarity = self.refresh(optimizer)
         self.galore_step += 1
-        self._refresh_due_cache = None
+        self._update_refresh_due()
         return similarity
 
     def refresh(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
@@ -423,8 +435,11 @@ class GaLoreLinear(nn.Module):
         parameters are whole (DeepSpeed ZeRO-3) and after which changes are partitioned again.
         """
         gather = getattr(optimizer, "gathered_parameters", None)
-        with gather(self) if gather is not None else contextlib.nullcontext():
-            return self._refresh(optimizer)
+        try:
+            with gather(self) if gather is not None else contextlib.nullcontext():
+                return self._refresh(optimizer)
+        finally:
+            self._update_refresh_due()
 
     @torch.no_grad()
     def _refresh(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
@@ -537,17 +552,9 @@ class GaLoreLinear(nn.Module):
 
     # ------------------------------------------------------------------ accounting
     def quantization_error(self) -> dict[str, float]:
-        """Relative RMS error of the quantized W0 / bases against their fp32 values (0 when not quantized)."""
-        errors: dict[str, float] = {}
-        if self.weight is None:
-            # The exact W0 is not kept; measure the error of requantizing the dequantized value.
-            from .quant import quantize
-
-            w = self.base_weight(torch.float32)
-            scheme, bits = _QUANT_SCHEMES[self.config.weight_storage]
-            rq = quantize(w, scheme=scheme, bits=bits, block_size=self.config.effective_weight_group_size)
-            errors["weight"] = _relative_rms(rq.dequantize(torch.float32), w)
-        return errors
+        """Relative RMS error of the last quantization of W0 ('weight') and of each quantized basis
+        ('basis_left', 'basis_right'), measured against the exact values when they were stored."""
+        return dict(self._quant_errors)
 
     def state_nbytes(self) -> dict[str, int]:
         """Exact bytes of the layer's tensors by role."""
@@ -568,7 +575,7 @@ class GaLoreLinear(nn.Module):
             if key in state_dict and self._buffers[name] is not None and state_dict[key].shape != self._buffers[name].shape:
                 self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
-        self._refresh_due_cache = None
+        self._update_refresh_due()
         self._pending_grad = None
 
 

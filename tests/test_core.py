@@ -377,3 +377,24 @@ def test_peft_modules_to_save_head_is_not_targeted():
     assert not any("lm_head" in n for n in names)
     assert any(n.endswith("down_proj.modules_to_save.default") for n in names)
     assert not any("lora_" in n or "base_layer" in n for n in names)
+
+
+def test_quantization_error_is_reported_for_int8_base_and_int4_basis():
+    model = prepare_model(_single_linear(64, 128), GaLoreConfig.preset("qgalore_adamw_8bit", rank=8, update_proj_gap=2))
+    optimizer = create_optimizer(model, lr=1e-2)
+    _train(model, optimizer, _batches(64, 128, 3))
+    errors = model[0].quantization_error()
+    # int8 absmax per 256 values: ~0.5% RMS on Gaussian-like weights; int4 per 64: ~10% on a basis
+    assert 0 < errors["weight"] < 0.02 and 0.01 < errors["basis_right"] < 0.3
+    from hf_galore_plugin import galore_stats
+
+    stats = galore_stats(model, optimizer)
+    assert stats["galore/weight_quant_error"] == pytest.approx(errors["weight"])
+
+
+def test_layer_compiles_without_graph_breaks_in_forward():
+    model = prepare_model(_single_linear(16, 24), GaLoreConfig(rank=4, update_proj_gap=2))
+    optimizer = create_optimizer(model, lr=1e-2)
+    _train(model, optimizer, _batches(16, 24, 1))  # calibrated: the flag is a plain bool now
+    explanation = torch._dynamo.explain(model)(torch.randn(4, 16))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
