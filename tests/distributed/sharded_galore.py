@@ -1,11 +1,12 @@
 """Run by tests/test_distributed_fsdp.py and tests/test_distributed_deepspeed.py: GaLore under a
-sharding engine (ENGINE=fsdp2 | fsdp1 | zero1 | zero2 | zero3) on 2 gloo ranks, or in one process
+data-parallel or sharding engine (ENGINE=ddp | fsdp2 | fsdp1 | zero1 | zero2 | zero3) on 2 gloo ranks, or in one process
 (ENGINE=single), over the same global batch with gradient accumulation 2.
 
 Checks on every refresh that all ranks hold the same bases, and writes the loss trajectory, the
 merged weights (gathered to full tensors) and per-layer base multipliers of rank 0 to argv[1].
 """
 
+import contextlib
 import os
 import sys
 
@@ -78,7 +79,10 @@ def main(out: str) -> None:
 
         losses, refreshes, weights = train_deepspeed(model, int(engine_name[-1]), batches(rank, world), world)
     else:
-        if engine_name == "fsdp2":
+        forward = model
+        if engine_name == "ddp":
+            forward = nn.parallel.DistributedDataParallel(model)
+        elif engine_name == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
             for block in list(model)[:3]:
@@ -103,10 +107,13 @@ def main(out: str) -> None:
         for step, micro_batches in enumerate(batches(rank, world)):
             total = torch.zeros(())
             for i, (xm, ym) in enumerate(micro_batches):
+                last = i == ACCUMULATION - 1
                 if engine_name == "fsdp2":
-                    model.set_requires_gradient_sync(i == ACCUMULATION - 1)
-                loss = nn.functional.mse_loss(model(xm), ym) / ACCUMULATION
-                loss.backward()
+                    model.set_requires_gradient_sync(last)
+                sync = forward.no_sync() if engine_name == "ddp" and not last else contextlib.nullcontext()
+                with sync:
+                    loss = nn.functional.mse_loss(forward(xm), ym) / ACCUMULATION
+                    loss.backward()
                 total += loss.detach()
             optimizer.step()
             event = after_step(model, optimizer)
