@@ -187,8 +187,9 @@ class GaLoreLinear(nn.Module):
         self.register_buffer("galore_seed", buf(config.seed * 1_000_003 + layer_index, torch.int64))
         self.register_buffer("galore_rng_counter", buf(0, torch.int64))
         self._pending_grad: Optional[torch.Tensor] = None
-        self._refresh_due_cache: Optional[bool] = None
-        self._update_refresh_due()
+        # A new layer has no basis yet: it records on its first step (known without reading a buffer,
+        # which on the meta device would fail).
+        self._refresh_due_cache: Optional[bool] = self.needs_basis
 
     # ------------------------------------------------------------------ storage helpers
     def _store_quantized(self, prefix: str, value: torch.Tensor, storage: str, group_size: int) -> None:
@@ -205,9 +206,10 @@ class GaLoreLinear(nn.Module):
             generator=self._next_generator(value.device) if stochastic else None,
         )
         # Measured here, where the exact value is at hand, so logging it costs nothing later.
-        self._quant_errors[prefix.removeprefix("galore_").removesuffix("_q")] = _relative_rms(
-            qt.dequantize(torch.float32), value.to(torch.float32)
-        )
+        if not value.is_meta:
+            self._quant_errors[prefix.removeprefix("galore_").removesuffix("_q")] = _relative_rms(
+                qt.dequantize(torch.float32), value.to(torch.float32)
+            )
         tensors, meta = qt.to_state()
         for key, tensor in tensors.items():
             self._assign_buffer(f"{prefix}_{key}", tensor)

@@ -7,6 +7,7 @@ merged weights (gathered to full tensors) and per-layer base multipliers of rank
 """
 
 import contextlib
+import gc
 import os
 import sys
 
@@ -127,10 +128,16 @@ def main(out: str) -> None:
                 check_bases_identical(model, world, step)
 
         weights = {k: full(v).detach().clone() for k, v in merged_state_dict(model).items()}
+        del forward  # DDP's reducer, released before the process group goes
     multipliers = {name: float(layer.base_multiplier) for name, layer in galore_layers(model)}
     if rank == 0:
         torch.save({"losses": losses, "refreshes": refreshes, "weights": weights, "multipliers": multipliers}, out)
     if distributed:
+        # Every rank finishes its collectives, and engine wrappers (DDP's reducer threads) are gone,
+        # before the process group is torn down.
+        dist.barrier()
+        del model
+        gc.collect()
         dist.destroy_process_group()
 
 
