@@ -154,7 +154,10 @@ def create_optimizer(
     if not galore_layers(model):
         raise ValueError("model has no GaLore layers: call prepare_model(model, config) before create_optimizer")
     for _, layer in galore_layers(model):
-        layer._check_factor_layout()  # FSDP1 flattens parameters: fail here, before the first step
+        # FSDP1 flattens parameters: fail here, before the first step. A ZeRO-3 partition (zero.Init,
+        # `ds_id`) is empty until DeepSpeed gathers the whole 2-D factor for a refresh or a merge.
+        if not hasattr(layer.galore_factor, "ds_id"):
+            layer._check_factor_layout()
     if param_groups is None:
         param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
     groups = galore_param_groups(model, param_groups, config, eps=eps)
@@ -225,6 +228,15 @@ def galore_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_galore_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Restore what :func:`galore_state_dict` saved, exactly (strict: every layer, every key)."""
+    for layer, layer_state in _galore_state_per_layer(model, state):
+        with torch.no_grad():
+            layer.load_state_dict(layer_state, strict=True)
+
+
+def _galore_state_per_layer(
+    model: nn.Module, state: dict[str, torch.Tensor]
+) -> list[tuple[GaLoreLinear, dict[str, torch.Tensor]]]:
+    """(layer, its entries of `state` without the layer prefix) for every GaLore layer of `model`."""
     layers = dict(iter_galore_layers(model))
     per_layer: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
     for key, value in state.items():
@@ -232,9 +244,7 @@ def load_galore_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> 
         if name not in per_layer:
             raise KeyError(f"GaLore state holds {key!r} but the model has no GaLore layer {name!r}")
         per_layer[name][sub] = value
-    for name, layer in layers.items():
-        with torch.no_grad():
-            layer.load_state_dict(per_layer[name], strict=True)
+    return [(layer, per_layer[name]) for name, layer in layers.items()]
 
 
 def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, float]:

@@ -12,12 +12,20 @@ update it belongs to, and before a checkpoint of that step is written, so a chec
 the state after the refresh. The scheduler has already moved to the next step's learning rate by
 then; a refresh does not read the learning rate, so this order does not matter to it. A step the
 optimizer skipped (fp16 loss-scale overflow, ``step_was_skipped``) is not counted.
+
+Under DeepSpeed the engine steps inside the last micro-batch's ``accelerator.backward`` (the
+Trainer's ``optimizer.step()`` is a no-op there), so ``on_step_end`` still comes after the update;
+``after_step`` then talks to the engine through
+:class:`~hf_galore_plugin.integrations.distributed.DeepSpeedGaLoreOptimizer` (the engine keeps an
+fp32 master of every factor, and ZeRO-3 partitions the layers), which needs the Trainer's engine:
+the integration binds every ``GaLoreCallback`` to its Trainer when the Trainer is constructed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -72,16 +80,41 @@ class GaLoreCallback(TrainerCallback):
       ``lr_recovery_fraction`` of ``max_steps``);
     - ``on_log``: refresh events, subspace similarity, gaps, state bytes, quantization error;
     - ``on_save``: ``galore_state.pt`` (``galore_state_dict``) in the checkpoint folder; the
-      integration restores it after the Trainer loads a checkpoint's weights.
+      integration restores it after the Trainer loads a checkpoint's weights (DeepSpeed: after the
+      engine loaded its own checkpoint).
     """
 
     def __init__(self, config: Optional[GaLoreConfig] = None) -> None:
         self.config = config
         self.lr_multiplier = config.lr_scale if config is not None else 1.0
+        self._trainer: Optional[weakref.ref] = None
+        self._engine_optimizer: Any = None  # DeepSpeedGaLoreOptimizer while training under DeepSpeed
         self._refreshes_since_log: list[str] = []
         self._similarities_since_log: list[float] = []
 
     # ------------------------------------------------------------------ helpers
+    def bind_trainer(self, trainer: Any) -> None:
+        """Remember (weakly) the Trainer this callback drives: under DeepSpeed it owns the engine."""
+        self._trainer = weakref.ref(trainer)
+
+    def _deepspeed_engine(self, optimizer: Any) -> Any:
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None:
+            if type(getattr(optimizer, "optimizer", None)).__module__.startswith("deepspeed."):
+                raise RuntimeError(
+                    "GaLoreCallback under DeepSpeed needs its Trainer (the engine keeps an fp32 master of every "
+                    "factor): pass it in Trainer(callbacks=[...]), or call callback.bind_trainer(trainer)"
+                )
+            return None
+        if not getattr(trainer, "is_deepspeed_enabled", False):
+            return None
+        engine = trainer.model_wrapped
+        if not hasattr(engine, "zero_optimization_stage"):
+            raise RuntimeError(
+                f"GaLoreCallback: DeepSpeed is enabled but the Trainer's model is a {type(engine).__name__}"
+            )
+        return engine
+
     def _config(self, model: Any) -> GaLoreConfig:
         if self.config is None:
             prepared = galore_model_of(model)
@@ -140,6 +173,14 @@ class GaLoreCallback(TrainerCallback):
         self.lr_multiplier = self.multiplier_at(state.global_step, state.max_steps)
         if optimizer is not None:
             self._install_lr_hooks(optimizer)
+        engine = self._deepspeed_engine(optimizer)
+        if engine is not None:
+            from .distributed import DeepSpeedGaLoreOptimizer
+
+            self._engine_optimizer = DeepSpeedGaLoreOptimizer(engine)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._engine_optimizer = None  # the engine belongs to this train() call
 
     def on_step_begin(self, args, state, control, **kwargs):
         # from state.global_step: resume, evaluation pauses and max_steps keep the schedule
@@ -149,7 +190,8 @@ class GaLoreCallback(TrainerCallback):
         if getattr(optimizer, "step_was_skipped", False):
             return
         prepared = galore_model_of(model)
-        event = hgp.after_step(prepared, unwrap_optimizer(optimizer))
+        step_optimizer = self._engine_optimizer if self._engine_optimizer is not None else unwrap_optimizer(optimizer)
+        event = hgp.after_step(prepared, step_optimizer)
         if event["refreshed"]:
             self._refreshes_since_log.extend(event["refreshed"])
             if event.get("similarity") is not None:
@@ -182,18 +224,15 @@ class GaLoreCallback(TrainerCallback):
             state.log_history[-1].update(extra)
 
     def on_save(self, args, state, control, model=None, **kwargs):
+        from .distributed import gathered_galore_state_dict
+
+        # every rank: ZeRO-3 partitions and FSDP2 shards are gathered (collectives) to save whole tensors
+        galore_state = gathered_galore_state_dict(galore_model_of(model))
         if not state.is_world_process_zero:
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if not os.path.isdir(folder):
             logger.warning("GaLoreCallback: checkpoint folder %s not found; GaLore state not saved", folder)
             return
-        save_galore_state(galore_model_of(model), folder)
-
-
-def save_galore_state(model: Any, folder: str) -> str:
-    path = os.path.join(folder, GALORE_STATE_NAME)
-    state = {key: value.detach().cpu() for key, value in hgp.galore_state_dict(model).items()}
-    torch.save(state, path)
-    return path
+        torch.save(galore_state, os.path.join(folder, GALORE_STATE_NAME))
 

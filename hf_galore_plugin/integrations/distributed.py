@@ -13,19 +13,164 @@ flat partitions.
     engine.backward(loss); engine.step()
     if <gradient-accumulation boundary>:
         after_step(model, galore_optimizer)
+
+ZeRO-3 partitions every parameter, W0 and the factor included (``from_pretrained`` under a stage-3
+config already does, through ``zero.Init``). :func:`prepare_zero3_model` replaces such a model's
+layers one at a time; :func:`gathered_galore_state_dict` and :func:`load_gathered_galore_state_dict`
+save and restore the layers' exact state (``galore_state.pt``) with whole tensors;
+:func:`merged_state_dict_from` merges a state dict that an engine gathered (what ``Trainer.save_model``
+gets from ``_zero3_consolidated_16bit_state_dict``). Without ZeRO-3 they are the plain versions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..inject import iter_galore_layers
+import hf_galore_plugin as hgp
 
-__all__ = ["DeepSpeedGaLoreOptimizer"]
+from ..api import _galore_state_per_layer
+from ..config import GaLoreConfig
+from ..inject import iter_galore_layers, select_targets
+from ..layers import GaLoreLinear
+
+__all__ = [
+    "DeepSpeedGaLoreOptimizer",
+    "is_zero3_partitioned",
+    "zero3_gathered",
+    "prepare_zero3_model",
+    "gathered_galore_state_dict",
+    "load_gathered_galore_state_dict",
+    "merged_state_dict_from",
+]
+
+
+def is_zero3_partitioned(module: nn.Module) -> bool:
+    """True when DeepSpeed ZeRO-3 manages `module`'s parameters (``ds_id`` is set by zero.Init / the engine)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def zero3_gathered(params: Iterable[torch.Tensor], *, modifier_rank: Optional[int] = None):
+    """Context in which the ZeRO-3 parameters among `params` are whole (a collective: every rank enters).
+
+    With ``modifier_rank=0`` rank 0's values are partitioned again on exit (changes of the other
+    ranks are dropped); with None every change is dropped. A no-op for parameters ZeRO-3 does not own.
+    """
+    partitioned = [p for p in params if p is not None and hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
+
+
+def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) -> nn.Module:
+    """``prepare_model`` for a model whose parameters ZeRO-3 has partitioned (``from_pretrained`` under a
+    stage-3 DeepSpeed config), one layer at a time.
+
+    Each targeted ``nn.Linear`` is gathered (the whole weight, on every rank), its GaLore layer is built
+    from it, and the new layer's parameters are partitioned at once with ``zero.Init(module=...)`` and
+    `ds_config` (the config the model was loaded under), so no rank ever holds more than one whole layer.
+    """
+    import deepspeed
+
+    if getattr(model, "galore_config", None) is not None:
+        return hgp.prepare_model(model, config)  # already prepared: the core checks the config
+    selected, report = select_targets(model, config)
+    for index, (name, linear) in enumerate(selected):
+        with zero3_gathered(linear.parameters()):
+            layer = GaLoreLinear(linear, config, layer_index=index)
+            if layer.weight is not None:
+                # W0 is a view of the gathered buffer, which DeepSpeed frees on exit: keep a copy.
+                layer.weight.data = layer.weight.data.clone()
+        deepspeed.zero.Init(module=layer, config_dict_or_path=ds_config)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    model.galore_config = config
+    model.galore_report = report
+    return model
+
+
+def gathered_galore_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`hf_galore_plugin.galore_state_dict` as whole CPU tensors: ZeRO-3 parameters are gathered one
+    layer at a time, FSDP2 DTensors are all-gathered.
+
+    A collective under ZeRO-3 and FSDP2: every rank must call it (every rank gets the whole state).
+    """
+    state = {}
+    for name, layer in iter_galore_layers(model):
+        with zero3_gathered(layer.parameters(recurse=False)):
+            for key, value in layer.state_dict().items():
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
+                state[f"{name}.{key}"] = value.detach().to("cpu", copy=True)
+    return state
+
+
+def load_gathered_galore_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load what :func:`gathered_galore_state_dict` saved into ZeRO-3-partitioned or FSDP2-sharded layers.
+
+    Every rank calls it with the same whole tensors. Strict as the core's loader: every layer, every
+    key. ZeRO-3: each layer is gathered, loaded and partitioned again from rank 0's copy. FSDP2: each
+    rank keeps its own shard of the whole tensor (no communication). An engine's fp32 master of the
+    factor is not touched: the engine restores it from its own checkpoint (the factor saved here is
+    the master's model-dtype copy).
+    """
+    for layer, layer_state in _galore_state_per_layer(model, state):
+        with zero3_gathered(layer.parameters(recurse=False), modifier_rank=0), torch.no_grad():
+            current = layer.state_dict(keep_vars=True)
+            sharded = {key: _shard_like(current[key], value) if key in current else value
+                       for key, value in layer_state.items()}
+            layer.load_state_dict(sharded, strict=True)
+
+
+def _shard_like(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if isinstance(current, DTensor) and not isinstance(value, DTensor):
+        # src_data_rank=None: every rank holds the whole tensor and cuts its own shard
+        return distribute_tensor(value, current.device_mesh, current.placements, src_data_rank=None)
+    return value
+
+
+@contextlib.contextmanager
+def _layer_tensors_from(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> Iterator[None]:
+    # Every GaLore-layer parameter and buffer that `state_dict` holds temporarily replaces the layer's
+    # own (partitioned) one; references only, nothing is copied.
+    swapped = []
+    for name, layer in iter_galore_layers(model):
+        for registry in (layer._parameters, layer._buffers):
+            for key, current in list(registry.items()):
+                given = state_dict.get(f"{name}.{key}")
+                if current is not None and given is not None:
+                    swapped.append((registry, key, current))
+                    registry[key] = nn.Parameter(given, requires_grad=False) if registry is layer._parameters else given
+    try:
+        yield
+    finally:
+        for registry, key, current in swapped:
+            registry[key] = current
+
+
+def merged_state_dict_from(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The merged (plain ``nn.Linear``) form of `state_dict`, a full state dict of the prepared `model`.
+
+    For state dicts an engine gathered while the model's own parameters are partitioned (ZeRO-3's
+    consolidated state dict on rank 0): the merge reads W0, factor and bases from `state_dict`, not
+    from the model, which must hold every GaLore layer's tensors.
+    """
+    missing = [name for name, _ in iter_galore_layers(model) if f"{name}.galore_factor" not in state_dict]
+    if missing:
+        raise ValueError(
+            f"cannot merge a state dict without the GaLore tensors of {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''}: pass the full state dict of the prepared model "
+            "(e.g. exclude_frozen_parameters=False)"
+        )
+    with _layer_tensors_from(model, state_dict):
+        return hgp.merged_state_dict(model, state_dict)
 
 
 class DeepSpeedGaLoreOptimizer:
@@ -69,14 +214,9 @@ class DeepSpeedGaLoreOptimizer:
     # ------------------------------------------------------------------ protocol used by GaLoreLinear
     def gathered_parameters(self, layer: torch.nn.Module):
         """Context in which `layer`'s parameters are whole on every rank (ZeRO-3); rank 0's result is kept."""
-        if self.zero_stage != 3:
-            return contextlib.nullcontext()
-        import deepspeed
-
         # Every rank computes the same fold from the same all-reduced gradient; modifier_rank=0 makes
         # DeepSpeed re-partition rank 0's copy on exit.
-        params = [p for p in (layer.weight, layer.galore_factor) if p is not None]
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+        return zero3_gathered((layer.weight, layer.galore_factor), modifier_rank=0)
 
     def param_changed(self, param: torch.Tensor) -> None:
         """The layer changed `param` in the model (in place): make the engine's fp32 master follow."""

@@ -10,11 +10,14 @@ What is patched (each once, by :mod:`hf_galore_plugin.integrations` when the mod
   ``TrainingArguments`` and every dataclass subclass of it (TRL's configs).
 - ``transformers.trainer``: ``Trainer.get_optimizer_cls_and_kwargs`` serves those names;
   ``Trainer.__init__`` replaces the layers (before any accelerate/FSDP/DeepSpeed wrapping) and
-  attaches :class:`GaLoreCallback`; ``_load_from_checkpoint`` and ``_load_best_model`` restore
-  ``galore_state.pt`` with the weights.
+  attaches :class:`GaLoreCallback` (and binds every GaLoreCallback to its Trainer, whose DeepSpeed
+  engine it needs); ``_load_from_checkpoint`` and ``_load_best_model`` restore ``galore_state.pt``
+  with the weights, and so does ``deepspeed_load_checkpoint`` (the DeepSpeed resume path) after the
+  engine loaded its own checkpoint.
 - ``transformers.modeling_utils`` / ``peft.peft_model``: ``save_pretrained`` of a prepared model
   (what ``Trainer.save_model`` and every checkpoint call) writes the merged plain weights
-  (standard keys, dtype as loaded).
+  (standard keys, dtype as loaded), also from the state dict an engine gathered and passes in
+  (DeepSpeed ZeRO-3, FSDP full state dict).
 
 Names transformers already owns (``galore_adamw``, ``galore_adamw_8bit``) are served by the plugin
 (logged once); ``HF_GALORE_PLUGIN_NO_TAKEOVER=1`` leaves them to transformers.
@@ -189,9 +192,23 @@ def _linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def prepare_model_for_trainer(model: nn.Module, config: GaLoreConfig, name: str) -> nn.Module:
     """``prepare_model`` with the optimizer name and the model's linear layers in its errors.
 
-    The core logs what was targeted and skipped, and why (``model.galore_report``).
+    The core logs what was targeted and skipped, and why (``model.galore_report``). A model that
+    DeepSpeed ZeRO-3 already partitioned (``from_pretrained`` under a stage-3 config) is prepared
+    one gathered layer at a time and partitioned again with the same DeepSpeed config.
     """
+    from .distributed import is_zero3_partitioned, prepare_zero3_model
+
     try:
+        if is_zero3_partitioned(model):
+            from transformers.integrations.deepspeed import deepspeed_config
+
+            ds_config = deepspeed_config()
+            if ds_config is None:
+                raise ValueError(
+                    "the model's parameters are partitioned by DeepSpeed ZeRO-3 but no DeepSpeed config is active; "
+                    "create TrainingArguments(deepspeed=...) before loading the model"
+                )
+            return prepare_zero3_model(model, config, ds_config)
         return hgp.prepare_model(model, config)
     except ValueError as exc:
         linear_names = [module_name for module_name, _ in _linear_layers(model)]
@@ -284,7 +301,7 @@ def _galore_state_injected(model: nn.Module, galore_state: dict[str, torch.Tenso
             handle.remove()
 
 
-def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: str) -> Any:
+def _read_galore_state(folder: str) -> dict[str, torch.Tensor]:
     from .callback import GALORE_STATE_NAME
 
     path = os.path.join(folder, GALORE_STATE_NAME)
@@ -294,7 +311,11 @@ def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: s
             "counters) cannot be restored exactly. Resume from a checkpoint written by a GaLore run, or "
             "start a new run from the merged model with from_pretrained."
         )
-    galore_state = torch.load(path, map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: str) -> Any:
+    galore_state = _read_galore_state(folder)
     with _galore_state_injected(model, galore_state):
         result = load()
     # strict: every layer and every key must be there (the injected load above is not strict)
@@ -320,6 +341,8 @@ def patch_trainer() -> None:
     for attribute in ("get_optimizer_cls_and_kwargs", "__init__", "_load_from_checkpoint", "_load_best_model"):
         if trainer_cls is None or attribute not in trainer_cls.__dict__:
             raise _internals_missing(f"transformers.Trainer.{attribute}")
+    if not callable(getattr(trainer_module, "deepspeed_load_checkpoint", None)):
+        raise _internals_missing("transformers.trainer.deepspeed_load_checkpoint")
     patch_training_args()
     with _lock:
         if _patched(trainer_cls, "__init__"):
@@ -327,6 +350,7 @@ def patch_trainer() -> None:
         _patch_optimizer_dispatch(trainer_cls)
         _patch_init(trainer_cls)
         _patch_checkpoints(trainer_cls)
+        _patch_deepspeed_resume(trainer_module)
 
 
 def _patch_optimizer_dispatch(trainer_cls: type) -> None:
@@ -357,7 +381,9 @@ def _patch_init(trainer_cls: type) -> None:
         _check_layerwise(training_args)
         name = _served_name(getattr(training_args, "optim", None))
         if name is None:
-            return original(*bound.args, **bound.kwargs)
+            original(*bound.args, **bound.kwargs)
+            _bind_callbacks(self)
+            return
         config = galore_config_for(training_args, name)
         _check_training_args(training_args, name)
         if bound.arguments.get("model") is not None:
@@ -366,8 +392,17 @@ def _patch_init(trainer_cls: type) -> None:
             bound.arguments["model_init"] = _preparing_model_init(bound.arguments["model_init"], config, name)
         original(*bound.args, **bound.kwargs)
         _attach_callback(self, config)
+        _bind_callbacks(self)
 
     trainer_cls.__init__ = _mark(__init__)
+
+
+def _bind_callbacks(trainer: Any) -> None:
+    from .callback import GaLoreCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, GaLoreCallback):
+            callback.bind_trainer(trainer)
 
 
 def _preparing_model_init(model_init: Callable, config: GaLoreConfig, name: str) -> Callable:
@@ -394,24 +429,51 @@ def _patch_checkpoints(trainer_cls: type) -> None:
     original_load = trainer_cls._load_from_checkpoint
     original_load_best = trainer_cls._load_best_model
 
+    # Under DeepSpeed both load through deepspeed_load_checkpoint, which restores the GaLore state itself.
+    # Under FSDP the checkpoint is the engine's own (distributed checkpoint) and holds the layers' own
+    # tensors, not merged weights: nothing to inject; galore_state.pt is loaded shard by shard afterwards.
+    def load(trainer, original: Callable[[], Any], folder: str) -> Any:
+        prepared = galore_model_of(trainer.model)
+        if prepared is None or getattr(trainer, "is_deepspeed_enabled", False):
+            return original()
+        if getattr(trainer, "is_fsdp_enabled", False):
+            from .distributed import load_gathered_galore_state_dict
+
+            result = original()
+            load_gathered_galore_state_dict(prepared, _read_galore_state(folder))  # every rank
+            return result
+        return _load_with_galore_state(original, prepared, folder)
+
     @functools.wraps(original_load)
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        prepared = galore_model_of(self.model)
-        if prepared is None:
-            return original_load(self, resume_from_checkpoint, model)
-        return _load_with_galore_state(
-            lambda: original_load(self, resume_from_checkpoint, model), prepared, resume_from_checkpoint
-        )
+        return load(self, lambda: original_load(self, resume_from_checkpoint, model), resume_from_checkpoint)
 
     @functools.wraps(original_load_best)
     def _load_best_model(self):
-        prepared = galore_model_of(self.model)
-        if prepared is None:
-            return original_load_best(self)
-        return _load_with_galore_state(lambda: original_load_best(self), prepared, self.state.best_model_checkpoint)
+        return load(self, lambda: original_load_best(self), self.state.best_model_checkpoint)
 
     trainer_cls._load_from_checkpoint = _mark(_load_from_checkpoint)
     trainer_cls._load_best_model = _mark(_load_best_model)
+
+
+def _patch_deepspeed_resume(trainer_module: Any) -> None:
+    """After the engine loaded its checkpoint (ZeRO partitions, fp32 masters, optimizer state), restore
+    the GaLore layers from ``galore_state.pt``: ZeRO-3 does not restore frozen parameters such as W0,
+    which refreshes change."""
+    from .callback import galore_model_of
+    from .distributed import load_gathered_galore_state_dict
+
+    original = trainer_module.deepspeed_load_checkpoint
+
+    @functools.wraps(original)
+    def deepspeed_load_checkpoint(deepspeed_engine, checkpoint_path, *args, **kwargs):
+        result = original(deepspeed_engine, checkpoint_path, *args, **kwargs)
+        prepared = galore_model_of(deepspeed_engine.module)
+        if prepared is not None:
+            load_gathered_galore_state_dict(prepared, _read_galore_state(checkpoint_path))  # every rank
+        return result
+
+    trainer_module.deepspeed_load_checkpoint = _mark(deepspeed_load_checkpoint)
 
 
 @contextlib.contextmanager
@@ -480,9 +542,15 @@ def patch_modeling_utils() -> None:
         @functools.wraps(original)
         def save_pretrained(self, *args, **kwargs):
             if getattr(self, "galore_config", None) is not None:
+                from .distributed import merged_state_dict_from
+
                 bound = signature.bind(self, *args, **kwargs)
-                if bound.arguments.get("state_dict") is None:
+                given = bound.arguments.get("state_dict")
+                if given is None:
                     bound.arguments["state_dict"] = hgp.merged_state_dict(self)
+                elif any(key.endswith(".galore_factor") for key in given):
+                    # gathered by an engine (DeepSpeed ZeRO, FSDP full state dict): merge from its tensors
+                    bound.arguments["state_dict"] = merged_state_dict_from(self, given)
                 return original(*bound.args, **bound.kwargs)
             return original(self, *args, **kwargs)
 
