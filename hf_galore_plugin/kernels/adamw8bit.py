@@ -138,7 +138,26 @@ def adam_step_scalars(*, step: int, lr: float, beta1: float, beta2: float, weigh
         "one_minus_beta2": 1.0 - beta2,
         "step_size": lr / (1.0 - beta1**step),
         "bias_correction2_sqrt": (1.0 - beta2**step) ** 0.5,
+        "sq_floor": second_moment_floor(beta1=beta1, beta2=beta2),
     }
+
+
+def second_moment_floor(*, beta1: float, beta2: float) -> float:
+    """k such that exact Adam moments always satisfy v >= k * m^2 (0 when no such bound exists).
+
+    With m = sum_i (1-b1) b1^(t-i) g_i and v = sum_i (1-b2) b2^(t-i) g_i^2, Cauchy-Schwarz gives
+    m^2 <= C v with C = (1-b1)^2 / ((1-b2) (1 - b1^2/b2)) when b1^2 < b2 (C = 52.9 for 0.9/0.999).
+    8-bit blockwise state can store a small v as 0 next to a large value in its block while the
+    first moment survives (its code map reaches 1e-6 of the block's absmax, the second moment's 1e-7
+    of a squared scale); m / (0 + eps) then moves a weight by ~1e4 x lr per step (measured: a weight
+    seen once with g = 1e-4 next to one with g = 1 moved by 166 instead of 0.006 in 60 steps).
+    Raising the stored v to k m^2 never changes an exact Adam step and bounds that one by sqrt(C);
+    dropping the momentum of a coordinate whose stored v is 0 then stops it (the same weight moves
+    by 0.0006 instead of 0.08 with the floor alone; bitsandbytes' AdamW8bit: 0.0006).
+    """
+    if beta1 * beta1 >= beta2 or beta1 >= 1.0:
+        return 0.0
+    return (1.0 - beta2) * (1.0 - beta1 * beta1 / beta2) / (1.0 - beta1) ** 2
 
 
 def dequantize_moment(
@@ -213,8 +232,12 @@ def adamw8bit_step_torch(
     )
     # A residual-corrected v can dip a hair below 0 where v itself is ~0; sqrt needs >= 0.
     exp_avg_sq = exp_avg_sq.clamp_min(0.0)
+    # A second moment stored as 0 next to a first moment that is not: the coordinate's statistics fell
+    # below the code map's resolution. Its momentum is dropped with it (see second_moment_floor).
+    exp_avg = torch.where(exp_avg_sq > 0, exp_avg, 0.0)
     exp_avg = s["beta1"] * exp_avg + s["one_minus_beta1"] * g
     exp_avg_sq = s["beta2"] * exp_avg_sq + s["one_minus_beta2"] * (g * g)
+    exp_avg_sq = torch.maximum(exp_avg_sq, s["sq_floor"] * (exp_avg * exp_avg))
     denom = exp_avg_sq.sqrt() / s["bias_correction2_sqrt"] + eps
     updated = param.float() * s["decay"] - s["step_size"] * (exp_avg / denom)
     param.copy_(updated)
@@ -279,6 +302,7 @@ if is_triton_available():
         one_minus_beta2,
         step_size,
         bias_correction2_sqrt,
+        sq_floor,
         eps,
         BLOCK: tl.constexpr,
         ERROR_FEEDBACK: tl.constexpr,
@@ -295,9 +319,11 @@ if is_triton_available():
             m += _load_moment(mr_codes_ptr, mr_scales_ptr, signed_book_ptr, block, offsets, mask, True)
             v += _load_moment(vr_codes_ptr, vr_scales_ptr, signed_book_ptr, block, offsets, mask, True)
         v = tl.maximum(v, 0.0)
+        m = tl.where(v > 0.0, m, 0.0)
 
         m = beta1 * m + one_minus_beta1 * g
         v = beta2 * v + one_minus_beta2 * (g * g)
+        v = tl.maximum(v, sq_floor * (m * m))
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
         p = p * decay - step_size * tl.div_rn(m, denom)
         tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
@@ -351,7 +377,7 @@ def adamw8bit_step_triton(
         mr_codes, mr_scales, vr_codes, vr_scales,
         signed_book, signed_mid, unsigned_book, unsigned_mid,
         n, s["decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
-        s["step_size"], s["bias_correction2_sqrt"], eps,
+        s["step_size"], s["bias_correction2_sqrt"], s["sq_floor"], eps,
         BLOCK=block_size, ERROR_FEEDBACK=error_feedback,
     )  # fmt: skip
 
