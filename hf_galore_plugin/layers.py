@@ -410,6 +410,10 @@ class GaLoreLinear(nn.Module):
         else:
             self._pending_grad += g
 
+    def discard_recorded_gradient(self) -> None:
+        """Forget what this step's backward recorded (its optimizer step was skipped)."""
+        self._pending_grad = None
+
     def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
         """Advance the layer's step counter and refresh the basis if this step recorded a gradient.
 

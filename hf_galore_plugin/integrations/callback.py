@@ -187,9 +187,12 @@ class GaLoreCallback(TrainerCallback):
         self.lr_multiplier = self.multiplier_at(state.global_step, state.max_steps)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if getattr(optimizer, "step_was_skipped", False):
-            return
         prepared = galore_model_of(model)
+        if getattr(optimizer, "step_was_skipped", False):
+            # The gradients of a skipped step (fp16 overflow: inf/NaN) must not feed the next basis.
+            for _, layer in hgp.galore_layers(prepared):
+                layer.discard_recorded_gradient()
+            return
         step_optimizer = self._engine_optimizer if self._engine_optimizer is not None else unwrap_optimizer(optimizer)
         event = hgp.after_step(prepared, step_optimizer)
         if event["refreshed"]:
