@@ -9,8 +9,11 @@ method that needs them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import json
 import math
+import multiprocessing
 import os
 import re
 import statistics
@@ -283,3 +286,26 @@ def plot_curves(curves: dict[str, list[float]], markers: dict[str, float], path,
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def run_jobs(run_one: Callable[[dict], dict], jobs: list[dict[str, Any]], workers: int, log, describe: Callable[[dict], str]) -> list[dict[str, Any]]:
+    """Run `run_one(job)` for every job (`workers` processes at a time; `run_one` must be a module-level
+    function so that 'spawn' can send it); each finished run is appended to `log` (JSON lines) and
+    printed as `describe(result)`."""
+    results = []
+
+    def report(result: dict[str, Any]) -> None:
+        with open(log, "a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(describe(result), flush=True)
+        results.append(result)
+
+    if workers <= 1:
+        for job in jobs:
+            report(run_one(job))
+    else:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            for future in concurrent.futures.as_completed([pool.submit(run_one, job) for job in jobs]):
+                report(future.result())
+    return results

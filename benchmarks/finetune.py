@@ -22,11 +22,9 @@ Written to --out (default outputs/finetune): finetune.md, finetune.json, finetun
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import math
-import multiprocessing
 import pathlib
 import random
 import re
@@ -231,29 +229,15 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def describe(r: dict[str, Any]) -> str:
+    return (
+        f"  {r['method']:<20} seed {r['seed']}  train loss {r['first_train_loss']:.3f} -> {r['final_train_loss']:.3f}"
+        f"  test accuracy {r['test_accuracy']:.3f}  ({r['train_seconds']:.0f} s)"
+    )
+
+
 def run_jobs(jobs: list[dict[str, Any]], workers: int, log: pathlib.Path) -> list[dict[str, Any]]:
-    """Run the jobs in order (`workers` at a time); every finished run is appended to `log` (JSON lines)."""
-    results = []
-
-    def report(r: dict[str, Any]) -> None:
-        with log.open("a") as f:
-            f.write(json.dumps(r) + "\n")
-        print(
-            f"  {r['method']:<20} seed {r['seed']}  train loss {r['first_train_loss']:.3f} -> {r['final_train_loss']:.3f}"
-            f"  test accuracy {r['test_accuracy']:.3f}  ({r['train_seconds']:.0f} s)",
-            flush=True,
-        )
-        results.append(r)
-
-    if workers <= 1:
-        for job in jobs:
-            report(run_one(job))
-    else:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(run_one, job) for job in jobs]):
-                report(future.result())
-    return results
+    return _common.run_jobs(run_one, jobs, workers, log, describe)
 
 
 def summarize(results: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:

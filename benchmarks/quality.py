@@ -22,11 +22,9 @@ Written to --out (default outputs/quality): quality.md, quality.json, quality_cu
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import math
-import multiprocessing
 import os
 import pathlib
 import sys
@@ -208,30 +206,16 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def describe(result: dict[str, Any]) -> str:
+    held = "diverged" if result["diverged"] else f"held-out {result['heldout_loss']:.4f}"
+    return (
+        f"  {result['method']:<20} lr {result['lr']:<8.3g} seed {result['seed']}  first {result['first_train_loss']:.3f}"
+        f"  final {result['final_train_loss']:.3f}  {held}  ({result['train_seconds']:.0f} s)"
+    )
+
+
 def run_jobs(jobs: list[dict[str, Any]], workers: int, log: pathlib.Path) -> list[dict[str, Any]]:
-    """Run the jobs in order (`workers` at a time); every finished run is appended to `log` (JSON lines)."""
-    results = []
-
-    def report(result: dict[str, Any]) -> None:
-        with log.open("a") as f:
-            f.write(json.dumps(result) + "\n")
-        held = "diverged" if result["diverged"] else f"held-out {result['heldout_loss']:.4f}"
-        print(
-            f"  {result['method']:<20} lr {result['lr']:<8.3g} seed {result['seed']}  first {result['first_train_loss']:.3f}"
-            f"  final {result['final_train_loss']:.3f}  {held}  ({result['train_seconds']:.0f} s)",
-            flush=True,
-        )
-        results.append(result)
-
-    if workers <= 1:
-        for job in jobs:
-            report(run_one(job))
-    else:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(run_one, job) for job in jobs]):
-                report(future.result())
-    return results
+    return _common.run_jobs(run_one, jobs, workers, log, describe)
 
 
 # ---------------------------------------------------------------------- report
