@@ -29,15 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import hf_galore_plugin.quant as hq  # noqa: E402
 from hf_galore_plugin.quant import functional  # noqa: E402
 
-CONFIGS = [
-    ("symmetric", 8),
-    ("symmetric", 4),
-    ("asymmetric", 8),
-    ("asymmetric", 4),
-    ("uniform", 8),
-    ("uniform", 4),
-    ("nf4", 4),
-]
+CONFIGS = list(hq.SCHEME_BITS)
 
 
 def minilm_linear_weights(quick: bool) -> torch.Tensor | None:

@@ -20,15 +20,7 @@ import torch
 import hf_galore_plugin.quant as hq
 from hf_galore_plugin.quant import functional
 
-CONFIGS = [
-    ("symmetric", 8),
-    ("symmetric", 4),
-    ("asymmetric", 8),
-    ("asymmetric", 4),
-    ("uniform", 8),
-    ("uniform", 4),
-    ("nf4", 4),
-]
+CONFIGS = list(hq.SCHEME_BITS)
 SHAPES = [(1,), (100,), (4097,), (33, 65), (3, 5, 70)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

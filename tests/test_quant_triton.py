@@ -27,15 +27,7 @@ kernels = pytest.importorskip("hf_galore_plugin.kernels.quant")
 # tl.where then discards.
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
-CONFIGS = [
-    ("symmetric", 8),
-    ("symmetric", 4),
-    ("asymmetric", 8),
-    ("asymmetric", 4),
-    ("uniform", 8),
-    ("uniform", 4),
-    ("nf4", 4),
-]
+CONFIGS = list(hq.SCHEME_BITS)
 SHAPES = [(1,), (100,), (4097,), (3, 5, 70)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -8,6 +8,7 @@ Importing this package does not import triton.
 
 from .error_feedback import quantize_with_error_feedback
 from .functional import (
+    SCHEME_BITS,
     SCHEMES,
     blockwise_stats_torch,
     default_block_size,
@@ -23,6 +24,7 @@ from .tensor import QuantizedTensor, dequantize, quantize, rebuild_quantized_ten
 __all__ = [
     "NF4_VALUES",
     "SCHEMES",
+    "SCHEME_BITS",
     "QuantizedTensor",
     "quantize",
     "dequantize",

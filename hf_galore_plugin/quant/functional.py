@@ -48,6 +48,7 @@ __all__ = [
     "nibble_offset",
     "pack_int4",
     "unpack_int4",
+    "SCHEME_BITS",
     "blockwise_stats_torch",
     "quantize_blockwise_torch",
     "dequantize_blockwise_torch",
@@ -55,6 +56,8 @@ __all__ = [
 
 SCHEMES = ("symmetric", "asymmetric", "uniform", "nf4")
 _SUPPORTED_BITS = {"symmetric": (4, 8), "asymmetric": (4, 8), "uniform": (4, 8), "nf4": (4,)}
+# Every (scheme, bits) pair `quantize` accepts, 8-bit first.
+SCHEME_BITS = tuple((scheme, bits) for scheme in SCHEMES for bits in sorted(_SUPPORTED_BITS[scheme], reverse=True))
 _MIN_BLOCK, _MAX_BLOCK = 32, 4096
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
