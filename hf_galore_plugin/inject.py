@@ -19,7 +19,7 @@ from .layers import GaLoreLinear
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TargetReport", "select_targets", "replace_targets", "unload", "iter_galore_layers"]
+__all__ = ["TargetReport", "select_targets", "replace_targets", "unload", "iter_galore_layers", "swap_submodule", "plain_linear"]
 
 # peft names its adapter sub-modules lora_A / lora_B / lora_embedding_* / lora_magnitude_vector ...
 _ADAPTER_NAME = re.compile(r"(^|\.)(lora_|ia3_|vera_|boft_|oft_)")
@@ -138,9 +138,7 @@ def replace_targets(model: nn.Module, config: GaLoreConfig) -> TargetReport:
     """Replace every selected nn.Linear of `model` by a GaLoreLinear, in place."""
     selected, report = select_targets(model, config)
     for index, (name, module) in enumerate(selected):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GaLoreLinear(module, config, layer_index=index))
+        swap_submodule(model, name, GaLoreLinear(module, config, layer_index=index))
     logger.info(report.summary())
     return report
 
@@ -151,18 +149,28 @@ def iter_galore_layers(model: nn.Module):
             yield name, module
 
 
+def swap_submodule(model: nn.Module, name: str, module: nn.Module) -> tuple[nn.Module, str]:
+    """Put `module` at dotted path `name` of `model`; returns (parent, attribute) to undo it."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+    return parent, child
+
+
+def plain_linear(layer: GaLoreLinear, weight: torch.Tensor, *, requires_grad: bool = True) -> nn.Linear:
+    """An nn.Linear with `weight` (merged) and the layer's own bias, allocating nothing else."""
+    linear = nn.Linear(
+        layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta", dtype=weight.dtype
+    )
+    linear.weight = nn.Parameter(weight, requires_grad=requires_grad)
+    if layer.bias is not None:
+        linear.bias = layer.bias
+    return linear
+
+
 @torch.no_grad()
 def unload(model: nn.Module) -> nn.Module:
     """Replace every GaLoreLinear by a plain nn.Linear holding the merged weight (dtype as loaded)."""
     for name, layer in list(iter_galore_layers(model)):
-        weight = layer.effective_weight(layer.weight_dtype)
-        linear = nn.Linear(
-            layer.in_features, layer.out_features, bias=layer.bias is not None, device=weight.device, dtype=weight.dtype
-        )
-        linear.weight = nn.Parameter(weight, requires_grad=True)
-        if layer.bias is not None:
-            linear.bias = layer.bias
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, linear)
+        swap_submodule(model, name, plain_linear(layer, layer.effective_weight(layer.weight_dtype)))
     return model

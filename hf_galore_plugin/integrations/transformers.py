@@ -40,6 +40,7 @@ from torch import nn
 import hf_galore_plugin as hgp
 
 from ..config import GaLoreConfig
+from ..inject import plain_linear, swap_submodule
 from ..registry import list_optimizer_entry_points, load_optimizer_preset
 from .optim_args import config_from_training_args
 
@@ -487,16 +488,8 @@ def merged_view(model: nn.Module) -> Iterator[nn.Module]:
     merged = hgp.merged_state_dict(model)
     swapped = []
     for layer_name, layer in hgp.galore_layers(model):
-        weight = merged[f"{layer_name}.weight"]
-        linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                           device="meta", dtype=weight.dtype)
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        if layer.bias is not None:
-            linear.bias = layer.bias
-        parent_name, _, child = layer_name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, linear)
-        swapped.append((parent, child, layer))
+        linear = plain_linear(layer, merged[f"{layer_name}.weight"], requires_grad=False)
+        swapped.append((*swap_submodule(model, layer_name, linear), layer))
     try:
         yield model
     finally:
