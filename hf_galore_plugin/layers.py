@@ -453,7 +453,12 @@ class GaLoreLinear(nn.Module):
         self._pending_grad = None
         if grad is None:
             raise RuntimeError("GaLoreLinear.refresh() needs the gradient recorded during a refresh step's backward")
-        grad = _all_reduce_mean(grad)
+        # Data-parallel ranks recorded different micro-batches. The randomized range finder averages
+        # its sketches over the ranks ((m + n) x k values per power iteration); the exact SVD needs
+        # the averaged m x n gradient itself (one layer at a time, once per gap).
+        sketch_reduce = _all_reduce_mean if self.config.basis_method == "randomized" and _world_size() > 1 else None
+        if sketch_reduce is None:
+            grad = _all_reduce_mean(grad)
         first = not self.calibrated
         new_bases: dict[str, torch.Tensor] = {}
         try:
@@ -473,6 +478,7 @@ class GaLoreLinear(nn.Module):
                     oversampling=self.config.oversampling,
                     power_iterations=self.config.power_iterations,
                     generator=generator,
+                    reduce=sketch_reduce,
                 )
         except BasisError as exc:
             # Never stop training for a bad basis: keep the old one, try again after one more gap.
@@ -604,14 +610,19 @@ def _relative_rms(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx - exact).square().mean().sqrt() / denom)
 
 
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
 def _all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     # Data-parallel ranks see different micro-batches; averaging makes every rank compute the same basis
     # from the same global gradient (the one DDP/FSDP/ZeRO average for the parameters).
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        if world > 1:
-            torch.distributed.all_reduce(tensor)
-            tensor /= world
+    world = _world_size()
+    if world > 1:
+        torch.distributed.all_reduce(tensor)
+        tensor /= world
     return tensor
 
 

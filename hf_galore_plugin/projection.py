@@ -5,9 +5,11 @@ Pure math on plain tensors; no module state. The layer code (`layers.py`) decide
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 __all__ = [
     "BasisError",
@@ -48,22 +50,43 @@ def _top_left_singular_vectors_svd(matrix: torch.Tensor, rank: int) -> torch.Ten
 
 
 def _top_left_singular_vectors_randomized(
-    matrix: torch.Tensor, rank: int, *, oversampling: int, power_iterations: int, generator: torch.Generator
+    matrix: torch.Tensor,
+    rank: int,
+    *,
+    oversampling: int,
+    power_iterations: int,
+    generator: torch.Generator,
+    reduce: Optional[Reduce] = None,
 ) -> torch.Tensor:
     # Halko, Martinsson & Tropp 2011, Algorithms 4.3/4.4 + 5.1: sketch the range with a Gaussian test
     # matrix, re-orthonormalize between power iterations (plain powers lose the small directions to
     # round-off), then an exact SVD of the small (k x n) projection picks the top `rank` directions.
+    #
+    # Every use of `matrix` is a product with it, linear in it: when the true matrix is the mean of
+    # one local matrix per data-parallel rank, `reduce` (an all-reduce mean) applied to each product
+    # gives the product of the mean matrix. Ranks then exchange (m + n) x k sketches per power
+    # iteration instead of the m x n gradient, and compute identical bases (same test matrix from the
+    # same seeded generator, same reduced sketches, same deterministic QR).
+    product = (lambda t: _checked(reduce(t))) if reduce is not None else (lambda t: t)
     m, n = matrix.shape
     k = min(rank + oversampling, m, n)
     omega = torch.randn(n, k, generator=generator, device=generator.device, dtype=torch.float32)
     omega = omega.to(matrix.device)
-    basis, _ = torch.linalg.qr(matrix @ omega)
+    basis, _ = torch.linalg.qr(product(matrix @ omega))
     for _ in range(power_iterations):
-        basis, _ = torch.linalg.qr(matrix.mT @ basis)
-        basis, _ = torch.linalg.qr(matrix @ basis)
-    small = basis.mT @ matrix  # k x n
+        basis, _ = torch.linalg.qr(product(matrix.mT @ basis))
+        basis, _ = torch.linalg.qr(product(matrix @ basis))
+    small = product(basis.mT @ matrix)  # k x n
     u_small, _, _ = torch.linalg.svd(small, full_matrices=False)
     return basis @ u_small[:, :rank]
+
+
+def _checked(sketch: torch.Tensor) -> torch.Tensor:
+    # After a reduction every rank holds the same sketch, so every rank raises (or none does): a check
+    # of the local matrix instead could stop one rank and leave the others waiting in a collective.
+    if not bool(torch.isfinite(sketch).all()):
+        raise BasisError("the reduced gradient sketch has non-finite values")
+    return sketch
 
 
 def compute_basis(
@@ -75,12 +98,17 @@ def compute_basis(
     oversampling: int = 8,
     power_iterations: int = 1,
     generator: Optional[torch.Generator] = None,
+    reduce: Optional[Reduce] = None,
 ) -> torch.Tensor:
     """Orthonormal basis of the top-`rank` singular subspace of `grad` (m x n), in fp32.
 
     side='left' returns P (m x rank), the top left singular vectors; side='right' returns
     Q (n x rank), the top right singular vectors. Raises :class:`BasisError` on non-finite input or
     when the decomposition fails; callers keep their old basis then.
+
+    `reduce` (method='randomized' only) makes `grad` one rank's share of a gradient averaged over
+    data-parallel ranks: each sketch is passed through it (an all-reduce mean) before use, so only
+    sketches travel. The non-finite check then runs on the reduced sketches, identically on all ranks.
     """
     if grad.ndim != 2:
         raise ValueError(f"compute_basis expects a 2-D gradient, got shape {tuple(grad.shape)}")
@@ -90,7 +118,9 @@ def compute_basis(
     matrix = grad.detach().to(torch.float32)
     if side == "right":
         matrix = matrix.mT
-    if not bool(torch.isfinite(matrix).all()):
+    if reduce is not None and method != "randomized":
+        raise ValueError("reduce= needs method='randomized' (an exact SVD needs the whole reduced gradient)")
+    if reduce is None and not bool(torch.isfinite(matrix).all()):
         bad = int((~torch.isfinite(matrix)).sum())
         raise BasisError(f"gradient has {bad} non-finite values")
     if rank > min(matrix.shape):
@@ -102,7 +132,12 @@ def compute_basis(
             if generator is None:
                 raise ValueError("method='randomized' needs a torch.Generator for its test matrix")
             basis = _top_left_singular_vectors_randomized(
-                matrix, rank, oversampling=oversampling, power_iterations=power_iterations, generator=generator
+                matrix,
+                rank,
+                oversampling=oversampling,
+                power_iterations=power_iterations,
+                generator=generator,
+                reduce=reduce,
             )
         else:
             raise ValueError(f"unknown basis method {method!r}; choose 'svd' or 'randomized'")

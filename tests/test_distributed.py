@@ -3,7 +3,7 @@
 The run (tests/distributed/sharded_galore.py, ENGINE=ddp) has 30 steps, gradient accumulation 2
 (`no_sync` on the first micro-batch), refreshes at steps 0, 10 and 20, and checks after every
 refresh that all ranks hold the same bases (each rank records its local gradient; the refresh
-averages them before the SVD).
+averages them before the SVD, or averages the randomized range finder's sketches).
 """
 
 import pytest
@@ -14,9 +14,17 @@ from distributed._launch import assert_matches, run_two_ranks, single_process_ru
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("preset", ["galore_adamw", "qgalore_adamw_8bit"])
-def test_ddp_two_ranks_match_single_process(tmp_path, preset):
+@pytest.mark.parametrize(
+    "preset, basis_method",
+    [
+        ("galore_adamw", "svd"),  # the averaged layer gradient, one layer at a time
+        ("qgalore_adamw_8bit", "svd"),
+        # the randomized range finder averages its sketches over the ranks, never the gradient
+        ("galore_adamw", "randomized"),
+    ],
+)
+def test_ddp_two_ranks_match_single_process(tmp_path, preset, basis_method):
     out = tmp_path / "ddp.pt"
-    result = run_two_ranks(out, ENGINE="ddp", PRESET=preset, PROJ_TYPE="std")
+    result = run_two_ranks(out, ENGINE="ddp", PRESET=preset, PROJ_TYPE="std", BASIS_METHOD=basis_method)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert_matches(single_process_run(preset, "std"), torch.load(out, weights_only=True))
+    assert_matches(single_process_run(preset, "std", basis_method=basis_method), torch.load(out, weights_only=True))

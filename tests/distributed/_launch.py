@@ -34,10 +34,10 @@ def run_one_process(out: Path, *args: str, script: Path = SCRIPT, **env: str) ->
 
 
 @functools.lru_cache(maxsize=None)
-def single_process_run(preset: str, proj_type: str, fake_step: str = "0") -> dict:
+def single_process_run(preset: str, proj_type: str, fake_step: str = "0", basis_method: str = "svd") -> dict:
     """The oracle: the same global batch in one process (cached: several engines compare against it)."""
     out = Path(tempfile.mkdtemp(prefix="galore_single_")) / "single.pt"
-    env = _env(ENGINE="single", PRESET=preset, PROJ_TYPE=proj_type, FAKE_STEP=fake_step)
+    env = _env(ENGINE="single", PRESET=preset, PROJ_TYPE=proj_type, FAKE_STEP=fake_step, BASIS_METHOD=basis_method)
     subprocess.run([sys.executable, str(SCRIPT), str(out)], check=True, env=env, timeout=300)
     return torch.load(out, weights_only=True)
 

@@ -37,7 +37,12 @@ def build_model(preset: str, proj_type: str) -> nn.Module:
     # basis, 25x33) -> 13 + 12; the left factors have 4 rows -> 2 + 2.
     model = nn.Sequential(Block(16, 33), Block(33, 25), Block(25, 12), nn.Linear(12, 8))
     config = GaLoreConfig.preset(
-        preset, rank=4, update_proj_gap=10, proj_type=proj_type, target_modules=["0.proj", "1.proj", "2.proj"]
+        preset,
+        rank=4,
+        update_proj_gap=10,
+        proj_type=proj_type,
+        target_modules=["0.proj", "1.proj", "2.proj"],
+        basis_method=os.environ.get("BASIS_METHOD", "svd"),
     )
     return prepare_model(model, config)
 
