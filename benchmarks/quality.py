@@ -16,6 +16,14 @@ Protocol: each method's documented learning rate times (1/3, 1, 3) at seed 0; th
 held-out loss) then also runs at seeds 1 and 2; the table reports mean ± sample std over the 3
 seeds. Held-out loss: mean token cross-entropy over a play never trained on (The Tempest).
 
+Extending a finished grid upward (when a best rate sits at the top of its grid):
+
+    python benchmarks/quality.py --extend-from outputs/quality/runs.jsonl --lr-multipliers 10,30 --out outputs/quality_ext
+
+reads the finished runs, runs each method's documented rate times every multiplier at seed 0 (lowest
+first; a multiplier is skipped once a lower one of the list lost to the method's best so far), then
+the missing seeds at every method's best rate; old and new runs together go to --out's runs.jsonl.
+
 Written to --out (default outputs/quality): quality.md, quality.json, quality_curves.png.
 """
 
@@ -333,6 +341,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--from-runs", type=pathlib.Path, help="no training: write the report from a runs.jsonl (a partial grid too)"
     )
+    parser.add_argument(
+        "--extend-from", type=pathlib.Path,
+        help="start from a finished runs.jsonl: run only --lr-multipliers at seed 0, then any missing seeds at the best lr",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lr-multipliers", default="",
+        help="with --extend-from: comma-separated extra factors of the documented lr, e.g. 10,30 (run lowest first;\n"
+        "a factor is skipped once a lower listed factor lost to the method's best rate so far)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
@@ -342,6 +359,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.size, args.seeds, args.no_sweep, args.jobs = "quick", 1, True, 1
     if not 1 <= args.seeds <= len(SEEDS):
         parser.error(f"--seeds must be between 1 and {len(SEEDS)}")
+    try:
+        args.lr_multipliers = sorted(float(f) for f in args.lr_multipliers.split(",") if f.strip())
+    except ValueError:
+        parser.error(f"--lr-multipliers: not a comma-separated list of numbers: {args.lr_multipliers!r}")
+    if args.lr_multipliers and not args.extend_from:
+        parser.error("--lr-multipliers needs --extend-from (the finished grid it extends)")
+    if args.extend_from and args.from_runs:
+        parser.error("--extend-from and --from-runs exclude each other")
     args.config = SIZES[args.size] if args.steps is None else dataclasses.replace(SIZES[args.size], steps=args.steps)
     return args
 
@@ -370,6 +395,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     base = {"size": dataclasses.asdict(size), "data": str(data_path), "device": device, "threads": args.threads}
     factors = (1.0,) if args.no_sweep else LR_FACTORS
+    if args.extend_from:
+        results = extend(args, base)
+        write_report(args, results, params, device, data["vocab_size"], time.perf_counter() - started, factors)
+        data_path.unlink()
+        return 0
     # Every method's documented rate first, then the other rates: a run cut short still compares all methods.
     sweep_jobs = [
         {**base, "method": m, "lr": DOCUMENTED_LR[m] * f, "seed": SEEDS[0]}
@@ -392,6 +422,54 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def same_lr(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+def extend(args: argparse.Namespace, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """--extend-from: the finished runs, plus seed-0 runs at the documented rate times each of
+    --lr-multipliers (lowest first, stopping once one loses), plus the missing seeds at each method's
+    best rate. Everything (old runs first) is written to --out's runs.jsonl."""
+    old = [json.loads(line) for line in args.extend_from.read_text().splitlines() if line.strip()]
+    log = args.out / "runs.jsonl"
+    if log.resolve() == args.extend_from.resolve():
+        raise SystemExit("--extend-from must not be --out's runs.jsonl (it is rewritten); copy it or choose another --out")
+    log.write_text("".join(json.dumps(r) + "\n" for r in old))
+    results = list(old)
+    print(f"extending {len(old)} finished runs from {args.extend_from} (copied to {log})", flush=True)
+
+    def done(method: str, lr: float, seed: int) -> bool:
+        return any(r["method"] == method and r["seed"] == seed and same_lr(r["lr"], lr) for r in results)
+
+    for factor in args.lr_multipliers:
+        jobs = []
+        for method in args.methods:
+            lr = DOCUMENTED_LR[method] * factor
+            lower = [f for f in args.lr_multipliers if f < factor]
+            if lower:
+                best = summarize(results, [method])[0]
+                if best.get("best_lr") is None or not same_lr(best["best_lr"], DOCUMENTED_LR[method] * max(lower)):
+                    print(f"  {method}: x{factor:g} skipped (x{max(lower):g} did not improve on the best rate)")
+                    continue
+            if not done(method, lr, SEEDS[0]):
+                jobs.append({**base, "method": method, "lr": lr, "seed": SEEDS[0]})
+        if jobs:
+            print(f"learning rate x{factor:g} at seed {SEEDS[0]}: {len(jobs)} runs", flush=True)
+            results += run_jobs(jobs, args.jobs, log)
+    seed_jobs = []
+    for row in summarize(results, args.methods):
+        if row.get("best_lr") is not None:
+            seed_jobs += [
+                {**base, "method": row["method"], "lr": row["best_lr"], "seed": s}
+                for s in SEEDS[1 : args.seeds]
+                if not done(row["method"], row["best_lr"], s)
+            ]
+    if seed_jobs:
+        print(f"missing seeds at the best learning rate: {len(seed_jobs)} runs", flush=True)
+        results += run_jobs(seed_jobs, args.jobs, log)
+    return results
+
+
 def write_report(
     args: argparse.Namespace, results: list[dict[str, Any]], params: int, device: str, vocab_size: int,
     seconds: float, factors: tuple[float, ...],
@@ -400,16 +478,29 @@ def write_report(
     methods = [m for m in args.methods if any(r["method"] == m for r in results)]
     rows = summarize(results, methods)
     checks = check_targets(rows)
-    complete = all(
-        sum(r["method"] == m for r in results) == len(factors) + args.seeds - 1 for m in args.methods
-    )
+    by_method = {r["method"]: r for r in rows}
 
+    def grid_done(method: str) -> bool:
+        lrs = [r["lr"] for r in results if r["method"] == method and r["seed"] == SEEDS[0]]
+        return all(any(same_lr(lr, DOCUMENTED_LR[method] * f) for lr in lrs) for f in factors)
+
+    complete = all(
+        by_method.get(m, {}).get("best_lr") is not None and grid_done(m) and len(by_method[m]["seeds"]) >= args.seeds
+        for m in args.methods
+    )
+    run_minutes = sum(r["train_seconds"] for r in results) / 60
     header = (
         f"Size `{args.size}`: {params / 1e6:.2f}M-parameter Llama (hidden {size.hidden}, {size.layers} layers, "
         f"intermediate {size.intermediate}, BPE vocabulary {vocab_size}), {size.steps} steps of "
         f"{size.batch_size} x {size.seq_len} tokens, device {device}, {args.threads} thread(s) per run, "
-        f"{args.jobs} run(s) in parallel; wall time {seconds / 60:.1f} min for {len(results)} runs."
+        f"{args.jobs} run(s) in parallel; {len(results)} runs ({run_minutes:.1f} min of training in all); "
+        f"this invocation's wall time {seconds / 60:.1f} min."
     )
+    if args.extend_from:
+        header += (
+            f" Grid extended from {args.extend_from} at the documented rate times "
+            f"{', '.join(f'{f:g}' for f in args.lr_multipliers)} (seed 0), then the missing seeds at the best rate."
+        )
     if not complete:
         header += (
             " **Partial grid** (reported from the runs that finished): a method's lr sweep or its extra seeds "
@@ -426,6 +517,8 @@ def write_report(
         "complete": complete,
         "documented_lr": {m: DOCUMENTED_LR[m] for m in args.methods},
         "lr_factors": list(factors),
+        "extended_from": str(args.extend_from) if args.extend_from else None,
+        "lr_multipliers": args.lr_multipliers,
         "methods": rows,
         "targets": checks,
         "runs": results,

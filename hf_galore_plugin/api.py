@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from .config import GaLoreConfig
-from .inject import iter_galore_layers, replace_targets, unload
-from .layers import GaLoreLinear
+from .inject import iter_galore_layers, iter_galore_layers_by_key, replace_targets, unload
+from .layers import GaLoreLinear, _is_dtensor
 
 __all__ = [
     "prepare_model",
@@ -101,7 +101,9 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
 
     Layers are looked up at every step, not when the hook is installed: FSDP2 replaces parameters
     by DTensors and accelerate swaps them into an optimizer built before wrapping. A layer decays when
-    its factor had a gradient this step (as AdamW skips parameters without one). When an engine has
+    its factor had a gradient this step (as AdamW skips parameters without one; under FSDP1, when the
+    factor's unit had one: a rank whose shard holds none of the factor sees no gradient of its own, and
+    the multiplier, a replicated buffer, must move on every rank alike). When an engine has
     replaced a group's parameters by its own flat partitions (DeepSpeed ZeRO), every layer recorded
     in the group's ``"galore_layers"`` decays on each step the engine takes (ZeRO steps the whole
     partition, unused factors included; a step it skips on fp16 overflow never reaches this hook;
@@ -116,13 +118,16 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
             if not group.get("galore") or not wd or not group["params"]:
                 continue
             if layers is None:
+                from .integrations.fsdp1 import fsdp1_units, had_gradient
+
                 layers = dict(iter_galore_layers(model))
                 by_factor = {id(layer.galore_factor): layer for layer in layers.values()}
+                units = fsdp1_units(model)
             factor = 1.0 - float(group["lr"]) * wd
             owned = [(p, by_factor.get(id(p))) for p in group["params"]]
             if any(layer is not None for _, layer in owned):
                 for p, layer in owned:
-                    if layer is not None and p.grad is not None:
+                    if layer is not None and had_gradient(p, units):
                         layer.base_multiplier.mul_(factor)
             else:
                 for name in group.get("galore_layers", ()):
@@ -153,11 +158,25 @@ def create_optimizer(
         raise ValueError("model is not prepared: call prepare_model(model, config) first, or pass config")
     if not galore_layers(model):
         raise ValueError("model has no GaLore layers: call prepare_model(model, config) before create_optimizer")
-    for _, layer in galore_layers(model):
-        # FSDP1 flattens parameters: fail here, before the first step. A ZeRO-3 partition (zero.Init,
-        # `ds_id`) is empty until DeepSpeed gathers the whole 2-D factor for a refresh or a merge.
-        if not hasattr(layer.galore_factor, "ds_id"):
+    from .integrations.fsdp1 import check_fsdp1_layers, fsdp1_units
+
+    # FSDP1 (use_orig_params) and ZeRO-3 keep 1-D slices of the factor; their refreshes gather it
+    # (integrations.fsdp1, DeepSpeedGaLoreOptimizer). Anything else must hold the 2-D factor.
+    fsdp1_managed = check_fsdp1_layers(galore_layers(model), fsdp1_units(model))
+    for name, layer in galore_layers(model):
+        if id(layer) not in fsdp1_managed and not hasattr(layer.galore_factor, "ds_id"):
             layer._check_factor_layout()
+        if (
+            config.moment_handling == "project"
+            and layer.left_rank is not None
+            and not layer.left_identity
+            and _is_dtensor(layer.galore_factor)
+        ):
+            raise ValueError(
+                f"GaLore layer {name!r}: moment_handling='project' with a left basis is not supported on a "
+                "sharded (FSDP2) factor: the optimizer sees the factor's local rows only, and a left transport "
+                "mixes all rows. Use moment_handling='keep' (the default) or 'reset', or proj_type='right'."
+            )
     if param_groups is None:
         param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
     groups = galore_param_groups(model, param_groups, config, eps=eps)
@@ -175,12 +194,22 @@ def create_optimizer(
     return optimizer
 
 
-def after_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+def after_step(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, root: Optional[nn.Module] = None
+) -> dict[str, Any]:
     """Call once after every ``optimizer.step()``: counts the step and refreshes bases that are due.
 
-    Returns ``{"refreshed": [layer names], "similarity": mean subspace similarity or None}``.
+    Under FSDP1 pass the wrapped model (or `model` and its wrapper as `root`): a refresh gathers the
+    layer's FSDP unit. Returns ``{"refreshed": [layer names], "similarity": mean similarity or None}``.
     """
     refreshed, similarities = [], []
+    if optimizer is not None and not hasattr(optimizer, "gathered_parameters"):
+        if any(layer.refresh_due for _, layer in iter_galore_layers(model)):
+            from .integrations.fsdp1 import FSDP1Refresh, fsdp1_units
+
+            units = fsdp1_units(root if root is not None else model)
+            if units:
+                optimizer = FSDP1Refresh(optimizer, units)
     for name, layer in iter_galore_layers(model):
         due = layer.refresh_due
         similarity = layer.after_optimizer_step(optimizer)
@@ -207,7 +236,7 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
 def merged_state_dict(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
     """The state dict the merged model would have (plain nn.Linear keys), without changing `model`."""
     state_dict = dict(model.state_dict() if state_dict is None else state_dict)
-    for name, layer in iter_galore_layers(model):
+    for name, layer in iter_galore_layers_by_key(model):
         prefix = f"{name}." if name else ""
         for key in layer.state_dict(keep_vars=True):
             state_dict.pop(prefix + key, None)
@@ -220,7 +249,7 @@ def merged_state_dict(model: nn.Module, state_dict: Optional[dict[str, torch.Ten
 def galore_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of every GaLore layer (W0 incl. quantized parts, factor, bases, counters), detached."""
     state = {}
-    for name, layer in iter_galore_layers(model):
+    for name, layer in iter_galore_layers_by_key(model):
         for key, value in layer.state_dict().items():
             state[f"{name}.{key}"] = value.detach().clone()
     return state
@@ -237,7 +266,7 @@ def _galore_state_per_layer(
     model: nn.Module, state: dict[str, torch.Tensor]
 ) -> list[tuple[GaLoreLinear, dict[str, torch.Tensor]]]:
     """(layer, its entries of `state` without the layer prefix) for every GaLore layer of `model`."""
-    layers = dict(iter_galore_layers(model))
+    layers = dict(iter_galore_layers_by_key(model))
     per_layer: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
     for key, value in state.items():
         name, _, sub = key.rpartition(".")

@@ -149,6 +149,20 @@ def iter_galore_layers(model: nn.Module):
             yield name, module
 
 
+# Wrappers that engines insert between a model and its layers (FSDP1 units, activation checkpointing);
+# module state dicts leave their names out of the keys.
+_WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def iter_galore_layers_by_key(model: nn.Module):
+    """(state-dict name, layer) for every GaLore layer: its name without engine wrappers' names, as
+    the keys of ``model.state_dict()`` spell it."""
+    for name, layer in iter_galore_layers(model):
+        for wrapper in _WRAPPER_NAMES:
+            name = name.replace(wrapper, "")
+        yield name, layer
+
+
 def swap_submodule(model: nn.Module, name: str, module: nn.Module) -> tuple[nn.Module, str]:
     """Put `module` at dotted path `name` of `model`; returns (parent, attribute) to undo it."""
     parent_name, _, child = name.rpartition(".")

@@ -350,9 +350,10 @@ class GaLoreLinear(nn.Module):
         if tuple(self.galore_factor.shape) != expected:
             raise RuntimeError(
                 f"GaLore factor has shape {tuple(self.galore_factor.shape)}, expected {expected}: an engine "
-                "flattened it (FSDP1 use_orig_params, or ZeRO-3 outside a gather). Refresh and merge need the "
-                "2-D factor: use FSDP2 (fully_shard / accelerate fsdp_version: 2) or DeepSpeed ZeRO-1/2/3 with "
-                "hf_galore_plugin.integrations.distributed.DeepSpeedGaLoreOptimizer."
+                "holds it as a flat 1-D shard (FSDP1, or DeepSpeed ZeRO-3) and it was used outside a gather. "
+                "Pass the FSDP1-wrapped model to create_optimizer/after_step (they gather each refreshing "
+                "layer's unit) and merge inside FullyShardedDataParallel.summon_full_params(model); under ZeRO "
+                "use hf_galore_plugin.integrations.distributed.DeepSpeedGaLoreOptimizer."
             )
 
     # ------------------------------------------------------------------ forward

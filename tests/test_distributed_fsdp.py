@@ -1,6 +1,7 @@
 """GaLore under FSDP2 (fully_shard) and FSDP1 at the torch level: 2 gloo ranks against one process.
 
 FSDP2 holds W0 and the factor as DTensors sharded on rows; bases and counters are plain buffers.
+FSDP1 (use_orig_params=True) holds them as 1-D views of each unit's flat shard.
 The run has 30 steps, gradient accumulation 2, refreshes at steps 0 (calibration), 10 and 20, odd
 layer sizes so shards are uneven, and checks after every refresh that all ranks hold the same bases.
 """
@@ -30,11 +31,35 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path, preset, proj_type, fake_
     assert_matches(single_process_run(preset, proj_type, fake_step), torch.load(out, weights_only=True))
 
 
-def test_fsdp1_fails_before_the_first_step_with_a_clear_message(tmp_path):
-    # FSDP1 (use_orig_params=True) turns every parameter into a 1-D view of a flat shard: the refresh
-    # cannot fold a 1-D slice of B into W0, so create_optimizer refuses and names what to use instead.
-    result = run_two_ranks(tmp_path / "fsdp1.pt", ENGINE="fsdp1")
+@pytest.mark.parametrize(
+    "preset, proj_type",
+    [
+        ("galore_adamw", "std"),  # 1-D views of flat shards; a shard may hold part of W0 and none of B
+        ("qgalore_adamw_8bit", "std"),  # INT8 W0 in replicated buffers, 8-bit state on 1-D views
+        ("galore_adamw", "full"),  # two-sided bases
+    ],
+)
+def test_fsdp1_two_ranks_match_single_process(tmp_path, preset, proj_type):
+    # FullyShardedDataParallel(use_orig_params=True): each refresh gathers the layer's unit
+    # (summon_full_params(unit, recurse=False, writeback=True)) to fold B into W0 and zero B.
+    out = tmp_path / "fsdp1.pt"
+    result = run_two_ranks(out, ENGINE="fsdp1", PRESET=preset, PROJ_TYPE=proj_type)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_matches(single_process_run(preset, proj_type), torch.load(out, weights_only=True))
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        # INT8 W0 is a buffer, so FSDP1 itself accepts the unit without use_orig_params; we refuse it
+        ({"USE_ORIG_PARAMS": "0", "PRESET": "qgalore_adamw_8bit"}, "needs FullyShardedDataParallel(use_orig_params=True)"),
+        # a frozen W0 next to a trainable factor: FSDP1 refuses the unit itself
+        ({"USE_ORIG_PARAMS": "0", "PRESET": "galore_adamw"}, "when use_orig_params=False"),
+        ({"MOMENT_HANDLING": "project"}, "FSDP1 keeps them as 1-D slices of a flat shard"),
+    ],
+)
+def test_fsdp1_refuses_what_it_cannot_do_before_the_first_step(tmp_path, env, message):
+    result = run_two_ranks(tmp_path / "fsdp1.pt", ENGINE="fsdp1", **env)
     assert result.returncode != 0
-    assert "an engine flattened it (FSDP1" in result.stderr
-    assert "use FSDP2" in result.stderr
+    assert message in result.stderr
     assert not (tmp_path / "fsdp1.pt").exists()

@@ -1,4 +1,4 @@
-"""``Trainer`` + GaLore under DeepSpeed ZeRO-1/2/3 and FSDP2, 2 gloo ranks on CPU, against one process.
+"""``Trainer`` + GaLore under DeepSpeed ZeRO-1/2/3, FSDP2 and FSDP1, 2 gloo ranks on CPU, against one process.
 
 Each case runs tests/distributed/trainer_galore.py: a tiny pretrained Llama (``from_pretrained``, so
 ZeRO-3 delivers it partitioned), 24 optimizer steps of 8 sequences with gradient accumulation 2,
@@ -8,7 +8,10 @@ resumes from it, and the merged model that ``save_model()`` writes (plain keys, 
 DeepSpeed runs as users configure it: ``TrainingArguments(deepspeed="examples/deepspeed/zeroN.json",
 use_cpu=True)``. FSDP2 runs through ``fsdp=True, fsdp_config={"fsdp_version": 2, ...}`` (the settings
 of examples/accelerate/fsdp2.yaml) with a TEST-ONLY PATCH OF ACCELERATE (in the worker): accelerate
-never switches to FSDP on a CPU, so its state is re-labelled from MULTI_CPU to FSDP.
+never switches to FSDP on a CPU, so its state is re-labelled from MULTI_CPU to FSDP. FSDP1 (settings of
+examples/accelerate/fsdp1.yaml) needs two more test-only patches, both CPU artifacts explained in the
+worker: FSDP1's device_id (cpu vs cpu:0) and its full state dict's offload_to_cpu, which segfaults for
+CPU parameters with or without the plugin.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def _assert_merged_plain_model(run: dict, single: dict, pretrained: Path) -> Non
         # optimizer state: the 8-bit state is the subject of test_qgalore_8bit_state_under_zero2
         ("zero3", "qgalore_adamw_8bit", ",state_bits=32,error_feedback=False"),
         ("fsdp2", "galore_adamw", ""),
+        ("fsdp1", "galore_adamw", ""),  # use_orig_params: 1-D views; refreshes summon the layer's unit
     ],
 )
 def test_trainer_two_ranks_match_single_process_and_resume_exactly(
@@ -153,3 +157,14 @@ def test_qgalore_8bit_state_under_zero2(tmp_path, pretrained, single_process):
     )
     _assert_merged_plain_model(run, single, pretrained)
     _assert_resumed_exactly(run)
+
+
+def test_fsdp1_trainer_refuses_8bit_state_before_the_first_step(tmp_path, pretrained):
+    # FSDP.optim_state_dict (FSDP1's checkpoint path) asserts every state tensor has the parameter's dtype
+    # and layout; 8-bit codes and block scales would fail at the first save, so the Trainer refuses it.
+    out = tmp_path / "fsdp1_8bit.pt"
+    result = run_two_ranks(out, str(pretrained), script=WORKER, ENGINE="fsdp1", PRESET="qgalore_adamw_8bit")
+    assert result.returncode != 0
+    assert "which FSDP1's checkpoints cannot hold" in result.stderr and "state_bits=32" in result.stderr
+    assert "'loss'" not in result.stdout + result.stderr  # refused before the first step was logged
+    assert not out.exists()

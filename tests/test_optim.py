@@ -298,6 +298,24 @@ def test_reset_state_restarts_from_step_one(state_bits):
     assert torch.equal(p, fresh) and opt.state[p]["step"].item() == 2
 
 
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_initialize_state_gives_zero_state_that_steps_like_none(state_bits):
+    # What FSDP1 checkpoint loading needs: state to fill in place, identical in effect to no state.
+    params = [torch.nn.Parameter(torch.randn(50, 100)), torch.nn.Parameter(torch.randn(7))]
+    frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    opt = AdamW([*params, frozen], state_bits=state_bits, **HYPER)
+    opt.initialize_state()
+    assert frozen not in opt.state
+    assert all(opt.state[p]["step"].item() == 0 for p in params)
+    assert all(not torch.any(v) for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor))
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin_opt = AdamW(twins, state_bits=state_bits, **HYPER)
+    grads = _grads([p.shape for p in params], 3)
+    _run_fixed_grads(params, opt, grads)
+    _run_fixed_grads(twins, twin_opt, grads)
+    assert all(torch.equal(a, b) for a, b in zip(params, twins))
+
+
 def test_flat_1d_equals_2d_and_empty_and_noncontiguous():
     grads = _grads([(50, 100)], 3)
     two_d = torch.nn.Parameter(torch.randn(50, 100))

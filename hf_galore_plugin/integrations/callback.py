@@ -194,7 +194,7 @@ class GaLoreCallback(TrainerCallback):
                 layer.discard_recorded_gradient()
             return
         step_optimizer = self._engine_optimizer if self._engine_optimizer is not None else unwrap_optimizer(optimizer)
-        event = hgp.after_step(prepared, step_optimizer)
+        event = hgp.after_step(prepared, step_optimizer, root=model)
         if event["refreshed"]:
             self._refreshes_since_log.extend(event["refreshed"])
             if event.get("similarity") is not None:
@@ -230,7 +230,7 @@ class GaLoreCallback(TrainerCallback):
         from .distributed import gathered_galore_state_dict
 
         # every rank: ZeRO-3 partitions and FSDP2 shards are gathered (collectives) to save whole tensors
-        galore_state = gathered_galore_state_dict(galore_model_of(model))
+        galore_state = gathered_galore_state_dict(galore_model_of(model), root=model)
         if not state.is_world_process_zero:
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

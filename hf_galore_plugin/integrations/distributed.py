@@ -36,7 +36,8 @@ import hf_galore_plugin as hgp
 
 from ..api import _galore_state_per_layer
 from ..config import GaLoreConfig
-from ..inject import iter_galore_layers, select_targets
+from ..inject import iter_galore_layers, iter_galore_layers_by_key, select_targets
+from .fsdp1 import fsdp1_gathered, fsdp1_units
 from ..layers import GaLoreLinear
 
 __all__ = [
@@ -96,15 +97,18 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
     return model
 
 
-def gathered_galore_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def gathered_galore_state_dict(model: nn.Module, *, root: Optional[nn.Module] = None) -> dict[str, torch.Tensor]:
     """:func:`hf_galore_plugin.galore_state_dict` as whole CPU tensors: ZeRO-3 parameters are gathered one
-    layer at a time, FSDP2 DTensors are all-gathered.
+    layer at a time, FSDP2 DTensors are all-gathered, FSDP1 units are summoned one layer at a time.
 
-    A collective under ZeRO-3 and FSDP2: every rank must call it (every rank gets the whole state).
+    A collective under ZeRO-3 and FSDP1/2: every rank must call it (every rank gets the whole state).
+    `root`: the outermost (engine-wrapped) model, when `model` is a module inside it (FSDP1's root
+    unit may own layers of `model`).
     """
     state = {}
-    for name, layer in iter_galore_layers(model):
-        with zero3_gathered(layer.parameters(recurse=False)):
+    units = fsdp1_units(root if root is not None else model)
+    for name, layer in iter_galore_layers_by_key(model):
+        with zero3_gathered(layer.parameters(recurse=False)), fsdp1_gathered(units, layer, writeback=False):
             for key, value in layer.state_dict().items():
                 if isinstance(value, DTensor):
                     value = value.full_tensor()
@@ -112,17 +116,25 @@ def gathered_galore_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_gathered_galore_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_gathered_galore_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor], *, root: Optional[nn.Module] = None
+) -> None:
     """Load what :func:`gathered_galore_state_dict` saved into ZeRO-3-partitioned or FSDP2-sharded layers.
 
     Every rank calls it with the same whole tensors. Strict as the core's loader: every layer, every
     key. ZeRO-3: each layer is gathered, loaded and partitioned again from rank 0's copy. FSDP2: each
     rank keeps its own shard of the whole tensor (no communication). An engine's fp32 master of the
     factor is not touched: the engine restores it from its own checkpoint (the factor saved here is
-    the master's model-dtype copy).
+    the master's model-dtype copy). FSDP1: each layer's unit is summoned and written back. `root` as in
+    :func:`gathered_galore_state_dict`.
     """
+    units = fsdp1_units(root if root is not None else model)
     for layer, layer_state in _galore_state_per_layer(model, state):
-        with zero3_gathered(layer.parameters(recurse=False), modifier_rank=0), torch.no_grad():
+        with (
+            zero3_gathered(layer.parameters(recurse=False), modifier_rank=0),
+            fsdp1_gathered(units, layer, writeback=True),
+            torch.no_grad(),
+        ):
             current = layer.state_dict(keep_vars=True)
             sharded = {key: _shard_like(current[key], value) if key in current else value
                        for key, value in layer_state.items()}
@@ -141,7 +153,7 @@ def _layer_tensors_from(model: nn.Module, state_dict: dict[str, torch.Tensor]) -
     # Every GaLore-layer parameter and buffer that `state_dict` holds temporarily replaces the layer's
     # own (partitioned) one; references only, nothing is copied.
     swapped = []
-    for name, layer in iter_galore_layers(model):
+    for name, layer in iter_galore_layers_by_key(model):
         for registry in (layer._parameters, layer._buffers):
             for key, current in list(registry.items()):
                 given = state_dict.get(f"{name}.{key}")
@@ -162,7 +174,7 @@ def merged_state_dict_from(model: nn.Module, state_dict: dict[str, torch.Tensor]
     consolidated state dict on rank 0): the merge reads W0, factor and bases from `state_dict`, not
     from the model, which must hold every GaLore layer's tensors.
     """
-    missing = [name for name, _ in iter_galore_layers(model) if f"{name}.galore_factor" not in state_dict]
+    missing = [name for name, _ in iter_galore_layers_by_key(model) if f"{name}.galore_factor" not in state_dict]
     if missing:
         raise ValueError(
             f"cannot merge a state dict without the GaLore tensors of {missing[:4]}"

@@ -263,6 +263,16 @@ def _galore_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module], name
                 "hf_galore_plugin.prepare_model) before wrapping"
             )
         prepared = prepare_model_for_trainer(model, galore_config_for(args, name), name)
+    from .fsdp1 import fsdp1_units
+
+    if prepared.galore_config.state_bits == 8 and fsdp1_units(model):
+        # Found here, when the Trainer builds the optimizer after wrapping: before the first step.
+        raise ValueError(
+            f"optim={name!r} keeps 8-bit optimizer state, which FSDP1's checkpoints cannot hold "
+            "(FSDP.optim_state_dict gathers state tensors shaped and typed like the parameter; 8-bit state adds "
+            "block scales), so the first checkpoint would fail. Pass optim_args='state_bits=32' (fp32 moments, "
+            "still low-rank), or use FSDP2 (fsdp_version: 2) or DeepSpeed ZeRO, which keep 8-bit state."
+        )
     kwargs = {
         "lr": args.learning_rate,
         "betas": (args.adam_beta1, args.adam_beta2),
@@ -441,7 +451,8 @@ def _patch_checkpoints(trainer_cls: type) -> None:
             from .distributed import load_gathered_galore_state_dict
 
             result = original()
-            load_gathered_galore_state_dict(prepared, _read_galore_state(folder))  # every rank
+            root = getattr(trainer, "model_wrapped", None) or trainer.model
+            load_gathered_galore_state_dict(prepared, _read_galore_state(folder), root=root)  # every rank
             return result
         return _load_with_galore_state(original, prepared, folder)
 
@@ -455,6 +466,31 @@ def _patch_checkpoints(trainer_cls: type) -> None:
 
     trainer_cls._load_from_checkpoint = _mark(_load_from_checkpoint)
     trainer_cls._load_best_model = _mark(_load_best_model)
+
+    # FSDP1 sharded checkpoints: accelerate's load_fsdp_optimizer reads the saved state into the structure
+    # of the current optimizer's FSDP.optim_state_dict, which is empty for an optimizer that has not
+    # stepped yet, so a resume silently restarts the Adam moments (torch's AdamW too, accelerate 1.x /
+    # torch 2.13). Our optimizer first gets zero state for every parameter so there is something to fill.
+    original_load_optimizer = trainer_cls._load_optimizer_and_scheduler
+
+    @functools.wraps(original_load_optimizer)
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is not None and _is_fsdp1(self):
+            from .callback import unwrap_optimizer
+
+            optimizer = unwrap_optimizer(self.optimizer)
+            if hasattr(optimizer, "initialize_state"):
+                optimizer.initialize_state()
+        return original_load_optimizer(self, checkpoint)
+
+    trainer_cls._load_optimizer_and_scheduler = _mark(_load_optimizer_and_scheduler)
+
+
+def _is_fsdp1(trainer: Any) -> bool:
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return False
+    plugin = getattr(getattr(trainer.accelerator, "state", None), "fsdp_plugin", None)
+    return getattr(plugin, "fsdp_version", 1) == 1
 
 
 def _patch_deepspeed_resume(trainer_module: Any) -> None:

@@ -227,6 +227,20 @@ class AdamW(torch.optim.Optimizer):
                 for key, value in saved.items()
             }
 
+    @torch.no_grad()
+    def initialize_state(self) -> None:
+        """Give every trainable parameter without state its zero state (step 0), without stepping.
+
+        For loaders that fill the optimizer's existing state in place and skip what is absent:
+        FSDP1's sharded checkpoint (accelerate's ``load_fsdp_optimizer`` reads into
+        ``FSDP.optim_state_dict`` of the current optimizer) loads nothing into a fresh optimizer.
+        A state at step 0 steps exactly like a missing one.
+        """
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and not self.state[param]:
+                    self._init_state(param, group)
+
     def reset_state(self, param: torch.Tensor) -> None:
         """Forget `param`'s state; its next step starts from zero moments at step 1."""
         self.state.pop(param, None)

@@ -1,5 +1,5 @@
 """Run by tests/test_distributed_fsdp.py and tests/test_distributed_deepspeed.py: GaLore under a
-data-parallel or sharding engine (ENGINE=ddp | fsdp2 | fsdp1 | zero1 | zero2 | zero3) on 2 gloo ranks, or in one process
+data-parallel or sharding engine (ENGINE=ddp | fsdp2 | fsdp1 (use_orig_params) | zero1 | zero2 | zero3) on 2 gloo ranks, or in one process
 (ENGINE=single), over the same global batch with gradient accumulation 2.
 
 Checks on every refresh that all ranks hold the same bases, and writes the loss trajectory, the
@@ -43,6 +43,7 @@ def build_model(preset: str, proj_type: str) -> nn.Module:
         proj_type=proj_type,
         target_modules=["0.proj", "1.proj", "2.proj"],
         basis_method=os.environ.get("BASIS_METHOD", "svd"),
+        moment_handling=os.environ.get("MOMENT_HANDLING", "keep"),
     )
     return prepare_model(model, config)
 
@@ -99,8 +100,11 @@ def main(out: str) -> None:
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
             model = FullyShardedDataParallel(
-                model, use_orig_params=True, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block})
+                model,
+                use_orig_params=os.environ.get("USE_ORIG_PARAMS", "1") == "1",
+                device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block})
             )
+            forward = model
         optimizer = create_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
         if os.environ.get("FAKE_STEP") == "1":
             # What FSDP2/DCP checkpointing does to an optimizer without state: a zero-gradient step at lr 0.
@@ -132,9 +136,17 @@ def main(out: str) -> None:
                 refreshes += 1
                 check_bases_identical(model, world, step)
 
-        weights = {k: full(v).detach().clone() for k, v in merged_state_dict(model).items()}
+        whole = contextlib.nullcontext()
+        if engine_name == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            whole = FullyShardedDataParallel.summon_full_params(model, writeback=False)
+        with whole:
+            weights = {k: full(v).detach().clone() for k, v in merged_state_dict(model).items()}
         del forward  # DDP's reducer, released before the process group goes
-    multipliers = {name: float(layer.base_multiplier) for name, layer in galore_layers(model)}
+    multipliers = {
+        name.replace("_fsdp_wrapped_module.", ""): float(layer.base_multiplier) for name, layer in galore_layers(model)
+    }
     if rank == 0:
         torch.save({"losses": losses, "refreshes": refreshes, "weights": weights, "multipliers": multipliers}, out)
     if distributed:

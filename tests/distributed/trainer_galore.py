@@ -1,9 +1,10 @@
 """Run by tests/test_distributed_trainer.py: ``Trainer`` + GaLore under an engine, launched as users launch it.
 
 ENGINE=single (one process, no engine), zero1 | zero2 | zero3 (``TrainingArguments(deepspeed=
-examples/deepspeed/zeroN.json, use_cpu=True)``, torchrun, 2 gloo ranks) or fsdp2 (``fsdp="full_shard"``,
-``fsdp_config={"fsdp_version": 2, ...}`` as examples/accelerate/fsdp2.yaml, with the test-only patch of
-accelerate below). Same global batch everywhere: 8 sequences per optimizer step, gradient accumulation 2.
+examples/deepspeed/zeroN.json, use_cpu=True)``, torchrun, 2 gloo ranks), fsdp2 (``fsdp="full_shard"``,
+``fsdp_config={"fsdp_version": 2, ...}`` as examples/accelerate/fsdp2.yaml) or fsdp1 (``fsdp_version: 1``,
+``use_orig_params: true`` as examples/accelerate/fsdp1.yaml), both with the test-only patch of
+accelerate below. Same global batch everywhere: 8 sequences per optimizer step, gradient accumulation 2.
 
 1. trains STEPS steps from the pretrained tiny Llama in argv[2] (``from_pretrained`` after the
    TrainingArguments: under ZeRO-3 the model arrives partitioned), checkpointing at step SAVE_AT in the
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 import hf_galore_plugin as hgp
 from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME
@@ -43,7 +45,7 @@ if ENGINE.startswith("zero"):
     # it. Through sys.modules: the attribute `deepspeed.comm.torch` is the torch package itself.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
-if ENGINE == "fsdp2":
+if ENGINE in ("fsdp1", "fsdp2"):
     # Test-only patch of accelerate: AcceleratorState switches to FSDP only on GPU-type devices, so on a
     # CPU the Trainer would silently train with DDP. Re-labelling the multi-CPU state as FSDP (what it
     # is on a GPU machine) makes accelerate apply fully_shard with the Trainer's fsdp_config, on gloo.
@@ -60,6 +62,30 @@ if ENGINE == "fsdp2":
             self.fsdp_plugin = fsdp_plugin
 
     AcceleratorState.__init__ = _fsdp_on_cpu
+
+if ENGINE == "fsdp1":
+    # Test-only, second patch: accelerate hands FSDP1 device_id=cpu:0 while the CPU modules sit on
+    # "cpu", which FSDP1 rejects as inconsistent; on a GPU both are cuda:N.
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    _fsdp1_init = FullyShardedDataParallel.__init__
+
+    def _fsdp1_on_cpu(self, *args, device_id=None, **kwargs):
+        if device_id is not None and torch.device(device_id).type == "cpu":
+            device_id = torch.device("cpu")
+        _fsdp1_init(self, *args, device_id=device_id, **kwargs)
+
+    FullyShardedDataParallel.__init__ = _fsdp1_on_cpu
+
+    # Test-only, third patch: FSDP1's full state dict with offload_to_cpu=True (what accelerate's
+    # get_state_dict asks for) segfaults when the parameters already live on the CPU, for a plain Llama
+    # without the plugin too (torch 2.13); on a GPU the offload is what users want.
+    import torch.distributed.fsdp as _fsdp
+
+    _FullStateDictConfig = _fsdp.FullStateDictConfig
+    _fsdp.FullStateDictConfig = lambda offload_to_cpu=False, rank0_only=False: _FullStateDictConfig(
+        offload_to_cpu=False, rank0_only=rank0_only
+    )
 
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -105,12 +131,14 @@ def training_args(output_dir: Path, **overrides) -> TrainingArguments:
     )
     if ENGINE.startswith("zero"):
         kwargs["deepspeed"] = str(REPO / "examples" / "deepspeed" / f"{ENGINE}.json")
-    elif ENGINE == "fsdp2":
+    elif ENGINE in ("fsdp1", "fsdp2"):
+        # The fsdp_config block of the shipped accelerate config, as TrainingArguments take it.
+        shipped = yaml.safe_load((REPO / "examples" / "accelerate" / f"{ENGINE}.yaml").read_text())["fsdp_config"]
         kwargs["fsdp"] = True
-        kwargs["fsdp_config"] = {
-            "fsdp_version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,
-            "state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": False,
-        }
+        kwargs["fsdp_config"] = {key.removeprefix("fsdp_"): value for key, value in shipped.items()}
+        # Test-only: sync_module_states broadcasts from a GPU device (accelerate raises "no available
+        # devices" on a CPU); every rank loads the same checkpoint here, so there is nothing to sync.
+        kwargs["fsdp_config"]["sync_module_states"] = False
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
 

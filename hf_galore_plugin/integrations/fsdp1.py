@@ -1,0 +1,105 @@
+"""GaLore layers under FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``).
+
+FSDP1 concatenates a unit's parameters into one flat tensor and keeps 1/world of it per rank; with
+``use_orig_params=True`` each original parameter (W0, the factor B, the bias) stays a Parameter whose
+data is a 1-D view of its elements in the local shard (possibly empty). The optimizer steps those views
+elementwise, which is all AdamW (fp32 or 8-bit) needs. A refresh needs the 2-D tensors (fold B into
+W0, zero B): :class:`FSDP1Refresh` gives the layer ``gathered_parameters(layer)``, a
+``summon_full_params(unit, recurse=False, writeback=True)`` of the unit whose flat parameter holds the
+layer, in which W0 and B are whole and after which each rank keeps its slice of what changed. That is
+one all-gather of the unit per refreshing layer, once per gap. The Adam moments stay 1-D shards, so
+``moment_handling='project'`` (a 2-D change of coordinates) is refused before the first step.
+
+:func:`hf_galore_plugin.after_step` and :func:`hf_galore_plugin.create_optimizer` find FSDP1 units in
+the model they are given and use this module on their own; nothing changes in a training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+
+__all__ = ["fsdp1_units", "fsdp1_gathered", "had_gradient", "check_fsdp1_layers", "FSDP1Refresh"]
+
+
+def fsdp1_units(model: nn.Module) -> dict[int, nn.Module]:
+    """``id(original parameter)`` -> the FSDP1 unit whose flat parameter holds it; empty without FSDP1.
+
+    Raises ValueError for FSDP1 without ``use_orig_params=True`` (the layers' own parameters are gone then).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units: dict[int, nn.Module] = {}
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
+        if flat is None:
+            continue
+        originals = getattr(flat, "_params", None)
+        if originals is None:
+            raise ValueError(
+                "GaLore under FSDP1 needs FullyShardedDataParallel(use_orig_params=True) (accelerate: "
+                "fsdp_use_orig_params: true): without it the layers' factor and W0 are not parameters of their "
+                "own and cannot be refreshed. Or use FSDP2 (fully_shard / accelerate fsdp_version: 2)."
+            )
+        for param in list(originals) + list(getattr(flat, "_shared_params", None) or []):
+            units[id(param)] = unit
+    return units
+
+
+def fsdp1_gathered(units: dict[int, nn.Module], layer: nn.Module, *, writeback: bool):
+    """Context in which `layer`'s W0 and factor are whole 2-D tensors on every rank (a collective over
+    its FSDP1 unit; every rank must enter it); with `writeback` changes go back to each rank's shard.
+    A no-op for a layer that FSDP1 does not manage."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    unit = units.get(id(layer.galore_factor))
+    if unit is None:
+        return contextlib.nullcontext()
+    return FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=writeback)
+
+
+def had_gradient(param, units: dict[int, nn.Module]) -> bool:
+    """Whether `param` took part in this step on any rank: its own gradient or, under FSDP1, its unit's
+    (the rank-local view of a parameter is empty, and has no gradient, where the shard holds none of it)."""
+    if param.grad is not None:
+        return True
+    unit = units.get(id(param))
+    if unit is None:
+        return False
+    return getattr(unit._handle.flat_param, "grad", None) is not None
+
+
+def check_fsdp1_layers(layers, units: dict[int, nn.Module]) -> set[int]:
+    """Refuse what cannot work on FSDP1's 1-D shards; returns the ids of layers FSDP1 manages."""
+    managed = set()
+    for name, layer in layers:
+        if id(layer.galore_factor) not in units:
+            continue
+        managed.add(id(layer))
+        if layer.config.moment_handling == "project":
+            raise ValueError(
+                f"GaLore layer {name!r}: moment_handling='project' transports the Adam moments with a 2-D change of "
+                "coordinates, but FSDP1 keeps them as 1-D slices of a flat shard. Use moment_handling='keep' "
+                "(the default) or 'reset', or FSDP2 (fully_shard / accelerate fsdp_version: 2)."
+            )
+    return managed
+
+
+class FSDP1Refresh:
+    """The optimizer as a refreshing layer sees it under FSDP1: the optimizer itself plus
+    ``gathered_parameters(layer)`` (whole W0 and factor during the refresh, written back to the shards)."""
+
+    def __init__(self, optimizer: Any, units: dict[int, nn.Module]) -> None:
+        self._optimizer = optimizer
+        self._units = units
+
+    def gathered_parameters(self, layer: nn.Module):
+        # A collective over the unit's ranks: every rank refreshes the same layers in the same order
+        # (the schedule is a function of the step counters, which all ranks share).
+        return fsdp1_gathered(self._units, layer, writeback=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
