@@ -454,10 +454,15 @@ class GaLoreLinear(nn.Module):
         self._pending_grad = None
         if grad is None:
             raise RuntimeError("GaLoreLinear.refresh() needs the gradient recorded during a refresh step's backward")
-        # Data-parallel ranks recorded different micro-batches. The randomized range finder averages
-        # its sketches over the ranks ((m + n) x k values per power iteration); the exact SVD needs
-        # the averaged m x n gradient itself (one layer at a time, once per gap).
-        sketch_reduce = _all_reduce_mean if self.config.basis_method == "randomized" and _world_size() > 1 else None
+        # Data-parallel ranks recorded different micro-batches. The randomized range finder can average
+        # its sketches over the ranks instead of the gradient: k (m + n) (1 + power_iterations) values
+        # per side, which beats the m x n gradient only when k is small against m and n; each layer
+        # takes the smaller exchange (the same choice on every rank). The exact SVD needs the averaged
+        # gradient itself (one layer at a time, once per gap).
+        sketch_reduce = None
+        if self.config.basis_method == "randomized" and _world_size() > 1:
+            if self.sketch_exchange_numel() < self.out_features * self.in_features:
+                sketch_reduce = _all_reduce_mean
         if sketch_reduce is None:
             grad = _all_reduce_mean(grad)
         first = not self.calibrated
@@ -506,6 +511,16 @@ class GaLoreLinear(nn.Module):
         self.galore_last_refresh.fill_(int(self.galore_step))
         self.galore_num_refreshes += 1
         return similarity
+
+    def sketch_exchange_numel(self) -> int:
+        """Values a data-parallel refresh all-reduces with the randomized range finder's sketches."""
+        m, n = self.out_features, self.in_features
+        total = 0
+        for rank, identity in ((self.left_rank, self.left_identity), (self.right_rank, self.right_identity)):
+            if rank is not None and not identity:
+                k = min(rank + self.config.oversampling, m, n)
+                total += k * (m + n) * (1 + self.config.power_iterations)
+        return total
 
     def _fold_factor_into_base(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         merged = self.effective_weight(torch.float32)

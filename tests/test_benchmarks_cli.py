@@ -94,3 +94,24 @@ def test_gpu_sh_without_cuda_says_so_and_fails(tmp_path):
     assert "no CUDA GPU is visible to torch" in proc.stderr
     assert "Hopper" in proc.stderr
     assert not out.exists()  # nothing measured, nothing written
+
+
+@pytest.mark.distributed
+def test_distributed_quick_counts_less_traffic_and_sketch_refreshes(tmp_path):
+    _run([sys.executable, "benchmarks/distributed.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    rows = json.loads((tmp_path / "distributed.json").read_text())["rows"]
+    by = {(r["engine"], r["method"], r["basis"]): r for r in rows}
+    assert {e for e, _, _ in by} == {"ddp", "fsdp2", "zero2"}
+    for engine in ("ddp", "fsdp2", "zero2"):
+        dense, galore = by[engine, "adamw_torch", ""], by[engine, "galore_adamw", "svd"]
+        # gradients of the frozen W0 are never reduced: all-reduce / reduce-scatter payload shrinks
+        reduced = lambda r: r["step_bytes"].get("all_reduce", 0) + r["step_bytes"].get("reduce_scatter", 0)  # noqa: E731
+        assert 0 < reduced(galore) < reduced(dense), engine
+        assert dense["refresh_bytes_total"] == 0 and dense["refreshes"] == 0
+        assert galore["refreshes"] == 2  # steps 0 and 3 of 6 with gap 3
+        # an exact-SVD refresh all-reduces each targeted layer's gradient once: less than one dense gradient
+        assert 0 < galore["refresh_bytes_total"] < dense["model_parameters"] * 4, engine
+        assert galore["live_tensor_bytes"] < dense["live_tensor_bytes"], engine
+    sketch, exact = by["ddp", "galore_adamw", "randomized"], by["ddp", "galore_adamw", "svd"]
+    assert 0 < sketch["refresh_bytes_total"] < exact["refresh_bytes_total"] / 2
+    assert (tmp_path / "distributed.png").stat().st_size > 0 and "| ddp | galore_adamw |" in (tmp_path / "distributed.md").read_text()

@@ -195,36 +195,45 @@ def test_basis_failure_keeps_old_basis_and_training_goes_on():
     assert all(math.isfinite(v) for v in losses)
 
 
-@pytest.mark.parametrize("proj_type", ["std", "full"])
-def test_randomized_refresh_under_data_parallelism_all_reduces_sketches_only(monkeypatch, proj_type):
-    # A fake 2-rank world whose ranks hold identical gradients (all_reduce sums two equal copies): the
-    # refresh must reduce only (m + n) x k sketches, never the 48 x 40 gradient, and find the same bases
-    # as one process. tests/test_distributed.py checks the averaging itself with 2 real ranks.
+def _fake_two_rank_run(monkeypatch, config, n_in, n_out, fake_world: bool):
+    # A fake 2-rank world whose ranks hold identical gradients (all_reduce sums two equal copies).
     import hf_galore_plugin.layers as layers_module
 
+    model = prepare_model(_single_linear(n_in, n_out), config)
+    optimizer = create_optimizer(model, lr=1e-2)
+    sent = []
+    if fake_world:
+        monkeypatch.setattr(layers_module, "_world_size", lambda: 2)
+        monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: sent.append(tuple(t.shape)) or t.mul_(2))
+    _train(model, optimizer, _batches(n_in, n_out, 5))
+    monkeypatch.undo()
+    return model[0], sent
+
+
+@pytest.mark.parametrize("proj_type", ["std", "full"])
+def test_randomized_refresh_under_data_parallelism_all_reduces_sketches_only(monkeypatch, proj_type):
+    # The refresh must reduce only (m + n) x k sketches, never the 128 x 96 gradient, and find the same
+    # bases as one process. tests/test_distributed.py checks the averaging itself with 2 real ranks.
     config = GaLoreConfig(rank=4, update_proj_gap=2, basis_method="randomized", proj_type=proj_type)
-
-    def run(fake_world: bool):
-        model = prepare_model(_single_linear(40, 48), config)
-        optimizer = create_optimizer(model, lr=1e-2)
-        sent = []
-        if fake_world:
-            monkeypatch.setattr(layers_module, "_world_size", lambda: 2)
-            monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: sent.append(tuple(t.shape)) or t.mul_(2))
-        _train(model, optimizer, _batches(40, 48, 5))
-        monkeypatch.undo()
-        return model[0], sent
-
-    single, _ = run(False)
-    layer, sent = run(True)
+    single, _ = _fake_two_rank_run(monkeypatch, config, 96, 128, fake_world=False)
+    layer, sent = _fake_two_rank_run(monkeypatch, config, 96, 128, fake_world=True)
     sides = [s for s in ("left", "right") if layer.basis(s) is not None]
     assert len(sides) == (2 if proj_type == "full" else 1)
     k = 4 + config.oversampling
     # 3 refreshes (steps 0, 2, 4) x sides x (sketch + 2 per power iteration + final projection)
     assert len(sent) == 3 * len(sides) * (2 + 2 * config.power_iterations)
-    assert all(k in shape and max(shape) <= 48 for shape in sent), sent
+    assert all(k in shape and max(shape) <= 128 for shape in sent), sent
+    assert sum(a * b for a, b in sent) == 3 * layer.sketch_exchange_numel() < 3 * 128 * 96
     for side in sides:
         torch.testing.assert_close(layer.basis(side), single.basis(side), rtol=0, atol=1e-6)
+
+
+def test_randomized_refresh_reduces_the_gradient_when_sketches_would_be_larger(monkeypatch):
+    # rank 16 of a 48 x 40 layer: k = 24 and 24 x 88 x 2 sketch values > 1920 gradient values
+    config = GaLoreConfig(rank=16, update_proj_gap=2, basis_method="randomized")
+    layer, sent = _fake_two_rank_run(monkeypatch, config, 40, 48, fake_world=True)
+    assert layer.sketch_exchange_numel() > 48 * 40
+    assert sent == [(48, 40)] * 3
 
 
 def test_lazy_refresh_grows_gap_when_subspace_is_stable():

@@ -43,6 +43,9 @@ def build_model(preset: str, proj_type: str) -> nn.Module:
         proj_type=proj_type,
         target_modules=["0.proj", "1.proj", "2.proj"],
         basis_method=os.environ.get("BASIS_METHOD", "svd"),
+        # randomized: k = rank, so every layer's sketches (k (m + n) x 2 values) are smaller than its
+        # gradient and the data-parallel refresh exchanges sketches (see sketch_exchange_numel)
+        oversampling=0,
         moment_handling=os.environ.get("MOMENT_HANDLING", "keep"),
     )
     return prepare_model(model, config)
@@ -80,6 +83,8 @@ def main(out: str) -> None:
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     model = build_model(os.environ.get("PRESET", "galore_adamw"), os.environ.get("PROJ_TYPE", "std"))
+    if os.environ.get("BASIS_METHOD") == "randomized":
+        assert all(l.sketch_exchange_numel() < l.out_features * l.in_features for _, l in galore_layers(model))
 
     if engine_name.startswith("zero"):
         from _deepspeed_loop import train_deepspeed
