@@ -91,7 +91,8 @@ def report(rows: list[dict], args) -> str:
         f"({rows[0]['model_parameters'] / 1e6:.2f}M parameters), micro-batch 4 x 64 tokens per rank, {args.steps} "
         f"steps, GaLore rank {args.rank}, gap {args.gap} (all linear layers of the decoder). MB = 1e6 bytes, "
         "per rank. AR all-reduce, AG all-gather, RS reduce-scatter, BC broadcast (payload: reduced tensor, "
-        "gathered output, input to scatter). 'refresh exchange' is what after_step moves on a refresh step.",
+        "gathered output, input to scatter). 'MB exchanged per refresh': what after_step (the basis refresh) "
+        "moves on a refresh step.",
         "",
         "| engine | method | refresh basis | MB moved per normal step (by kind) | vs AdamW | MB exchanged per refresh "
         "| live tensors MB per rank | vs AdamW | peak RSS MB | step time vs AdamW | refresh step vs AdamW step |",
@@ -152,13 +153,13 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--gap", type=int, default=5)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per job")
     args = parser.parse_args()
     if args.quick:
-        args.engines, args.hidden, args.layers, args.rank, args.steps, args.gap = "ddp,fsdp2,zero2", 128, 2, 32, 6, 3
+        args.engines, args.hidden, args.layers, args.rank, args.steps, args.gap = "ddp,fsdp2,zero2", 128, 2, 8, 6, 3
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
