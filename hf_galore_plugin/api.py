@@ -200,19 +200,29 @@ def after_step(
     """Call once after every ``optimizer.step()``: counts the step and refreshes bases that are due.
 
     Under FSDP1 pass the wrapped model (or `model` and its wrapper as `root`): a refresh gathers the
-    layer's FSDP unit. Returns ``{"refreshed": [layer names], "similarity": mean similarity or None}``.
+    layers' FSDP units, one at a time. Returns ``{"refreshed": [layer names], "similarity": mean similarity or None}``.
     """
-    refreshed, similarities = [], []
-    if optimizer is not None and not hasattr(optimizer, "gathered_parameters"):
-        if any(layer.refresh_due for _, layer in iter_galore_layers(model)):
-            from .integrations.fsdp1 import FSDP1Refresh, fsdp1_units
+    layers = list(iter_galore_layers(model))
+    stepped: dict[str, tuple[bool, Optional[float]]] = {}
+    due_layers = [(name, layer) for name, layer in layers if layer.refresh_due]
+    if due_layers and not hasattr(optimizer, "gathered_parameters"):
+        from .integrations.fsdp1 import fsdp1_units, group_by_unit, summon_unit
 
-            units = fsdp1_units(root if root is not None else model)
-            if units:
-                optimizer = FSDP1Refresh(optimizer, units)
-    for name, layer in iter_galore_layers(model):
-        due = layer.refresh_due
-        similarity = layer.after_optimizer_step(optimizer)
+        units = fsdp1_units(root if root is not None else model)
+        # FSDP1: W0 and the factor are 1-D shards; each unit with refreshing layers is gathered once
+        # (a collective: the refresh schedule, a function of the shared counters, is the same on all ranks).
+        for unit, members in group_by_unit(due_layers, units) if units else ():
+            if unit is not None:
+                with summon_unit(unit, writeback=True):
+                    for name, layer in members:
+                        stepped[name] = (True, layer.after_optimizer_step(optimizer))
+    refreshed, similarities = [], []
+    for name, layer in layers:
+        if name in stepped:
+            due, similarity = stepped[name]
+        else:
+            due = layer.refresh_due
+            similarity = layer.after_optimizer_step(optimizer)
         if due and similarity is not None:
             refreshed.append(name)
             if not math.isnan(similarity):

@@ -37,7 +37,7 @@ import hf_galore_plugin as hgp
 from ..api import _galore_state_per_layer
 from ..config import GaLoreConfig
 from ..inject import iter_galore_layers, iter_galore_layers_by_key, select_targets
-from .fsdp1 import fsdp1_gathered, fsdp1_units
+from .fsdp1 import fsdp1_units, group_by_unit, summon_unit
 from ..layers import GaLoreLinear
 
 __all__ = [
@@ -107,12 +107,14 @@ def gathered_galore_state_dict(model: nn.Module, *, root: Optional[nn.Module] = 
     """
     state = {}
     units = fsdp1_units(root if root is not None else model)
-    for name, layer in iter_galore_layers_by_key(model):
-        with zero3_gathered(layer.parameters(recurse=False)), fsdp1_gathered(units, layer, writeback=False):
-            for key, value in layer.state_dict().items():
-                if isinstance(value, DTensor):
-                    value = value.full_tensor()
-                state[f"{name}.{key}"] = value.detach().to("cpu", copy=True)
+    for unit, members in group_by_unit(iter_galore_layers_by_key(model), units):
+        with summon_unit(unit, writeback=False):
+            for name, layer in members:
+                with zero3_gathered(layer.parameters(recurse=False)):
+                    for key, value in layer.state_dict().items():
+                        if isinstance(value, DTensor):
+                            value = value.full_tensor()
+                        state[f"{name}.{key}"] = value.detach().to("cpu", copy=True)
     return state
 
 
@@ -129,16 +131,19 @@ def load_gathered_galore_state_dict(
     :func:`gathered_galore_state_dict`.
     """
     units = fsdp1_units(root if root is not None else model)
-    for layer, layer_state in _galore_state_per_layer(model, state):
-        with (
-            zero3_gathered(layer.parameters(recurse=False), modifier_rank=0),
-            fsdp1_gathered(units, layer, writeback=True),
-            torch.no_grad(),
-        ):
-            current = layer.state_dict(keep_vars=True)
-            sharded = {key: _shard_like(current[key], value) if key in current else value
-                       for key, value in layer_state.items()}
-            layer.load_state_dict(sharded, strict=True)
+    per_layer = {id(layer): layer_state for layer, layer_state in _galore_state_per_layer(model, state)}
+    for unit, members in group_by_unit(iter_galore_layers_by_key(model), units):
+        with summon_unit(unit, writeback=True):
+            for _, layer in members:
+                _load_layer_state(layer, per_layer[id(layer)])
+
+
+def _load_layer_state(layer: GaLoreLinear, layer_state: dict[str, torch.Tensor]) -> None:
+    with zero3_gathered(layer.parameters(recurse=False), modifier_rank=0), torch.no_grad():
+        current = layer.state_dict(keep_vars=True)
+        sharded = {key: _shard_like(current[key], value) if key in current else value
+                   for key, value in layer_state.items()}
+        layer.load_state_dict(sharded, strict=True)
 
 
 def _shard_like(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

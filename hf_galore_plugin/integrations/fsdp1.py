@@ -4,10 +4,11 @@ FSDP1 concatenates a unit's parameters into one flat tensor and keeps 1/world of
 ``use_orig_params=True`` each original parameter (W0, the factor B, the bias) stays a Parameter whose
 data is a 1-D view of its elements in the local shard (possibly empty). The optimizer steps those views
 elementwise, which is all AdamW (fp32 or 8-bit) needs. A refresh needs the 2-D tensors (fold B into
-W0, zero B): :class:`FSDP1Refresh` gives the layer ``gathered_parameters(layer)``, a
+W0, zero B): :func:`hf_galore_plugin.after_step` refreshes inside
 ``summon_full_params(unit, recurse=False, writeback=True)`` of the unit whose flat parameter holds the
-layer, in which W0 and B are whole and after which each rank keeps its slice of what changed. That is
-one all-gather of the unit per refreshing layer, once per gap. The Adam moments stay 1-D shards, so
+layer, in which W0 and B are whole and after which each rank keeps its slice of what changed. The
+refreshing layers are grouped by unit (:func:`group_by_unit`): one all-gather per unit, however many
+GaLore layers it holds (~7 per decoder layer), once per gap. The Adam moments stay 1-D shards, so
 ``moment_handling='project'`` (a 2-D change of coordinates) is refused before the first step.
 
 :func:`hf_galore_plugin.after_step` and :func:`hf_galore_plugin.create_optimizer` find FSDP1 units in
@@ -17,11 +18,11 @@ the model they are given and use this module on their own; nothing changes in a 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Optional
 
 from torch import nn
 
-__all__ = ["fsdp1_units", "fsdp1_gathered", "had_gradient", "check_fsdp1_layers", "FSDP1Refresh"]
+__all__ = ["fsdp1_units", "summon_unit", "group_by_unit", "had_gradient", "check_fsdp1_layers"]
 
 
 def fsdp1_units(model: nn.Module) -> dict[int, nn.Module]:
@@ -48,16 +49,30 @@ def fsdp1_units(model: nn.Module) -> dict[int, nn.Module]:
     return units
 
 
-def fsdp1_gathered(units: dict[int, nn.Module], layer: nn.Module, *, writeback: bool):
-    """Context in which `layer`'s W0 and factor are whole 2-D tensors on every rank (a collective over
-    its FSDP1 unit; every rank must enter it); with `writeback` changes go back to each rank's shard.
-    A no-op for a layer that FSDP1 does not manage."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    unit = units.get(id(layer.galore_factor))
+def summon_unit(unit: Optional[nn.Module], *, writeback: bool):
+    """Context in which every parameter of one FSDP1 unit is whole on every rank (a collective: every
+    rank enters it); with `writeback` changes go back to each rank's shard. None: a no-op."""
     if unit is None:
         return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     return FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=writeback)
+
+
+def group_by_unit(layers, units: dict[int, nn.Module]) -> list[tuple[Optional[nn.Module], list]]:
+    """`layers` ((name, layer) pairs) grouped by the FSDP1 unit that holds each, in order of first
+    appearance (the same on every rank), so each unit is gathered once however many of its layers need
+    it; layers FSDP1 does not manage form groups with unit None."""
+    groups: list[tuple[Optional[nn.Module], list]] = []
+    index: dict[int, int] = {}
+    for name, layer in layers:
+        unit = units.get(id(layer.galore_factor))
+        key = id(unit) if unit is not None else -1
+        if key not in index:
+            index[key] = len(groups)
+            groups.append((unit, []))
+        groups[index[key]][1].append((name, layer))
+    return groups
 
 
 def had_gradient(param, units: dict[int, nn.Module]) -> bool:
@@ -85,21 +100,3 @@ def check_fsdp1_layers(layers, units: dict[int, nn.Module]) -> set[int]:
                 "(the default) or 'reset', or FSDP2 (fully_shard / accelerate fsdp_version: 2)."
             )
     return managed
-
-
-class FSDP1Refresh:
-    """The optimizer as a refreshing layer sees it under FSDP1: the optimizer itself plus
-    ``gathered_parameters(layer)`` (whole W0 and factor during the refresh, written back to the shards)."""
-
-    def __init__(self, optimizer: Any, units: dict[int, nn.Module]) -> None:
-        self._optimizer = optimizer
-        self._units = units
-
-    def gathered_parameters(self, layer: nn.Module):
-        # A collective over the unit's ranks: every rank refreshes the same layers in the same order
-        # (the schedule is a function of the step counters, which all ranks share).
-        return fsdp1_gathered(self._units, layer, writeback=True)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
-
