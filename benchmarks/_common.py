@@ -15,6 +15,7 @@ import json
 import math
 import multiprocessing
 import os
+import pathlib
 import re
 import statistics
 from typing import Any, Callable, Optional
@@ -309,3 +310,139 @@ def run_jobs(run_one: Callable[[dict], dict], jobs: list[dict[str, Any]], worker
             for future in concurrent.futures.as_completed([pool.submit(run_one, job) for job in jobs]):
                 report(future.result())
     return results
+
+
+def same_lr(a: float, b: float) -> bool:
+    """Learning rates equal up to float noise (rates are products like 5e-5 * 3)."""
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+def seed_jobs_at_best(rows: list[dict[str, Any]], base: dict[str, Any], seeds: list[int], done=None) -> list[dict[str, Any]]:
+    """Jobs for `seeds` at each summarized method's best rate (skipping those `done(method, lr, seed)`)."""
+    return [
+        {**base, "method": row["method"], "lr": row["best_lr"], "seed": seed}
+        for row in rows
+        if row.get("best_lr") is not None
+        for seed in seeds
+        if done is None or not done(row["method"], row["best_lr"], seed)
+    ]
+
+
+def extend_runs(
+    *, extend_from, out, methods, documented_lr: dict[str, float], multipliers, base: dict[str, Any],
+    first_seed: int, other_seeds: list[int], run: Callable[[list[dict]], list[dict]],
+    summarize: Callable[[list[dict], list[str]], list[dict]], skip: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:  # fmt: skip
+    """A finished learning-rate grid extended upward (the quality and fine-tuning benchmarks' --extend-from).
+
+    Copies the finished runs of `extend_from` to `out`/runs.jsonl, runs `first_seed` at the documented rate
+    times each multiplier (lowest first; a method goes on to the next multiplier only while the last one
+    is its best rate), then `other_seeds` at each method's best rate where missing. Methods in `skip`
+    have no rate to sweep. Returns all runs, old ones first.
+    """
+    old = [json.loads(line) for line in extend_from.read_text().splitlines() if line.strip()]
+    log = out / "runs.jsonl"
+    if log.resolve() == extend_from.resolve():
+        raise SystemExit("--extend-from must not be --out's runs.jsonl (it is rewritten); copy it or choose another --out")
+    log.write_text("".join(json.dumps(r) + "\n" for r in old))
+    results = list(old)
+    print(f"extending {len(old)} finished runs from {extend_from} (copied to {log})", flush=True)
+
+    def done(method: str, lr: float, seed: int) -> bool:
+        return any(r["method"] == method and r["seed"] == seed and same_lr(r["lr"], lr) for r in results)
+
+    for factor in multipliers:
+        jobs = []
+        for method in methods:
+            if method in skip:
+                continue
+            lower = [f for f in multipliers if f < factor]
+            if lower:
+                best = summarize(results, [method])[0]
+                if best.get("best_lr") is None or not same_lr(best["best_lr"], documented_lr[method] * max(lower)):
+                    print(f"  {method}: x{factor:g} skipped (x{max(lower):g} did not improve on the best rate)")
+                    continue
+            lr = documented_lr[method] * factor
+            if not done(method, lr, first_seed):
+                jobs.append({**base, "method": method, "lr": lr, "seed": first_seed})
+        if jobs:
+            print(f"learning rate x{factor:g} at seed {first_seed}: {len(jobs)} runs", flush=True)
+            results += run(jobs)
+    seed_jobs = seed_jobs_at_best(summarize(results, methods), base, other_seeds, done)
+    if seed_jobs:
+        print(f"missing seeds at the best learning rate: {len(seed_jobs)} runs", flush=True)
+        results += run(seed_jobs)
+    return results
+
+
+def add_grid_arguments(parser, *, methods, seeds, jobs: int, out, rate: str = "lr") -> None:
+    """The command-line options the learning-rate-grid benchmarks (quality, fine-tuning) share."""
+    parser.add_argument("--methods", default=",".join(methods), help=f"comma-separated subset of {','.join(methods)}")
+    parser.add_argument("--seeds", type=int, default=len(seeds), help=f"seeds at the best lr (default {len(seeds)})")
+    parser.add_argument("--no-sweep", action="store_true", help=f"documented {rate} only")
+    parser.add_argument("--jobs", type=int, default=jobs, help=f"parallel runs (processes; default {jobs})")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    parser.add_argument("--out", type=pathlib.Path, default=out)
+    parser.add_argument(
+        "--from-runs", type=pathlib.Path, help="no training: write the report from a runs.jsonl (a partial grid too)"
+    )
+    parser.add_argument(
+        "--extend-from", type=pathlib.Path,
+        help="start from a finished runs.jsonl: run only --lr-multipliers at seed 0, then any missing seeds at the best lr",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lr-multipliers", default="",
+        help=f"with --extend-from: comma-separated extra factors of the documented {rate}, e.g. 10,30 (lowest\n"
+        "first; a factor is skipped once a lower listed factor lost to the method's best rate so far)",
+    )  # fmt: skip
+
+
+def check_grid_arguments(parser, args, *, methods, seeds) -> None:
+    """Parse and check what add_grid_arguments added (after --quick has set its values)."""
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()] if isinstance(args.methods, str) else args.methods
+    unknown = [m for m in args.methods if m not in methods]
+    if unknown or not args.methods:
+        parser.error(f"--methods: unknown {unknown}; choose from {','.join(methods)}")
+    if not 1 <= args.seeds <= len(seeds):
+        parser.error(f"--seeds must be between 1 and {len(seeds)}")
+    try:
+        args.lr_multipliers = sorted(float(f) for f in args.lr_multipliers.split(",") if f.strip())
+    except ValueError:
+        parser.error(f"--lr-multipliers: not a comma-separated list of numbers: {args.lr_multipliers!r}")
+    if args.lr_multipliers and not args.extend_from:
+        parser.error("--lr-multipliers needs --extend-from (the finished grid it extends)")
+    if args.extend_from and args.from_runs:
+        parser.error("--extend-from and --from-runs exclude each other")
+
+
+def sweep_cell(sweep: list[dict[str, Any]], key: str) -> str:
+    """A report's lr-sweep cell: "rate: value" for each seed-0 run of a method ("diverged" for None)."""
+    return ", ".join(f"{s['lr']:.2g}: " + ("diverged" if s[key] is None else f"{s[key]:.3f}") for s in sweep)
+
+
+def best_rate_fields(best: dict[str, Any], seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Summary fields every grid benchmark reports for a method's runs at its best rate."""
+    return {
+        "final_train_mean": mean_spread([r["final_train_loss"] for r in seeds])[0],
+        "trainable_params": best["trainable_params"],
+        "state_bytes": best["state_bytes"],
+        "state_bytes_total": best["state_bytes_total"],
+        "seconds_per_run": mean_spread([r["train_seconds"] for r in seeds])[0],
+        "train_losses_seed0": best["train_losses"],
+    }
+
+
+def run_grid(sweep_jobs: list[dict[str, Any]], *, out, base: dict[str, Any], other_seeds: list[int], methods,
+             run: Callable[[list[dict], Any], list[dict]], summarize) -> list[dict[str, Any]]:  # fmt: skip
+    """The seed-0 learning-rate sweep, then `other_seeds` at each method's best rate; every finished run
+    is appended to `out`/runs.jsonl (started empty). `run(jobs, log)` runs jobs."""
+    log = out / "runs.jsonl"
+    log.unlink(missing_ok=True)
+    print(f"learning-rate sweep: {len(sweep_jobs)} runs (each appended to {log} when it finishes)", flush=True)
+    results = run(sweep_jobs, log)
+    seed_jobs = seed_jobs_at_best(summarize(results, methods), base, other_seeds)
+    if seed_jobs:
+        print(f"seeds at the best learning rate: {len(seed_jobs)} runs", flush=True)
+        results += run(seed_jobs, log)
+    return results
+

@@ -337,12 +337,7 @@ def summarize(results: list[dict[str, Any]], methods: list[str]) -> list[dict[st
                 "accuracy_mean": mean,
                 "accuracy_spread": spread,
                 "dev_accuracies": [r["dev_accuracy"] for r in seeds],
-                "final_train_mean": _common.mean_spread([r["final_train_loss"] for r in seeds])[0],
-                "trainable_params": best["trainable_params"],
-                "state_bytes": best["state_bytes"],
-                "state_bytes_total": best["state_bytes_total"],
-                "seconds_per_run": _common.mean_spread([r["train_seconds"] for r in seeds])[0],
-                "train_losses_seed0": best["train_losses"],
+                **_common.best_rate_fields(best, seeds),
             }
         )
     return rows
@@ -359,10 +354,7 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
         "|" + "---|" * 10,
     ]
     for r in rows:
-        sweep = ", ".join(
-            f"{s['lr']:.2g}: " + ("diverged" if s["dev_accuracy"] is None else f"{s['dev_accuracy']:.3f}")
-            for s in r["sweep"]
-        )
+        sweep = _common.sweep_cell(r["sweep"], "dev_accuracy")
         if r.get("best_lr") is None:
             lines.append(f"| {r['method']} | | {sweep} | all diverged | | | | | | |")
             continue
@@ -386,42 +378,14 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 passages per play, 16 steps, one seed")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
-    parser.add_argument("--seeds", type=int, default=len(SEEDS), help="seeds at the best lr (default 3)")
-    parser.add_argument("--no-sweep", action="store_true", help="documented encoder lr only")
     parser.add_argument("--max-steps", type=int, help="stop every run after this many steps (sizing a run)")
-    parser.add_argument("--jobs", type=int, default=1, help="parallel runs (processes; default 1)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE.parent / "outputs" / "finetune")
-    parser.add_argument(
-        "--from-runs", type=pathlib.Path, help="no training: write the report from a runs.jsonl (a partial grid too)"
+    _common.add_grid_arguments(
+        parser, methods=METHODS, seeds=SEEDS, jobs=1, out=HERE.parent / "outputs" / "finetune", rate="encoder lr"
     )
-    parser.add_argument(
-        "--extend-from", type=pathlib.Path,
-        help="start from a finished runs.jsonl: run only --lr-multipliers at seed 0, then any missing seeds at the best lr",
-    )  # fmt: skip
-    parser.add_argument(
-        "--lr-multipliers", default="",
-        help="with --extend-from: comma-separated extra factors of the documented encoder lr, e.g. 10,30 (lowest\n"
-        "first; a factor is skipped once a lower listed factor lost to the method's best rate so far)",
-    )  # fmt: skip
     args = parser.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown or not args.methods:
-        parser.error(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
     if args.quick:
         args.seeds, args.no_sweep, args.jobs = 1, True, 1
-    if not 1 <= args.seeds <= len(SEEDS):
-        parser.error(f"--seeds must be between 1 and {len(SEEDS)}")
-    try:
-        args.lr_multipliers = sorted(float(f) for f in args.lr_multipliers.split(",") if f.strip())
-    except ValueError:
-        parser.error(f"--lr-multipliers: not a comma-separated list of numbers: {args.lr_multipliers!r}")
-    if args.lr_multipliers and not args.extend_from:
-        parser.error("--lr-multipliers needs --extend-from (the finished grid it extends)")
-    if args.extend_from and args.from_runs:
-        parser.error("--extend-from and --from-runs exclude each other")
+    _common.check_grid_arguments(parser, args, methods=METHODS, seeds=SEEDS)
     args.budget = BUDGETS["quick" if args.quick else "default"]
     return args
 
@@ -455,74 +419,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         if f in factors_of(m, factors)
     ]
     if args.extend_from:
-        results = extend(args, base)
+        results = _common.extend_runs(
+            extend_from=args.extend_from, out=args.out, methods=args.methods, documented_lr=ENCODER_LR,
+            multipliers=args.lr_multipliers, base=base, first_seed=SEEDS[0], other_seeds=SEEDS[1 : args.seeds],
+            run=lambda jobs: run_jobs(jobs, args.jobs, args.out / "runs.jsonl"), summarize=summarize, skip=FROZEN,
+        )
         write_report(args, results, time.perf_counter() - started, factors)
         data_path.unlink()
         return 0
-    log = args.out / "runs.jsonl"
-    log.unlink(missing_ok=True)
-    print(f"learning-rate sweep: {len(sweep_jobs)} runs (each appended to {log} when it finishes)", flush=True)
-    results = run_jobs(sweep_jobs, args.jobs, log)
-    seed_jobs = []
-    for row in summarize(results, args.methods):
-        if row.get("best_lr") is not None:
-            seed_jobs += [{**base, "method": row["method"], "lr": row["best_lr"], "seed": s} for s in SEEDS[1 : args.seeds]]
-    if seed_jobs:
-        print(f"seeds at the best learning rate: {len(seed_jobs)} runs", flush=True)
-        results += run_jobs(seed_jobs, args.jobs, log)
+    results = _common.run_grid(
+        sweep_jobs, out=args.out, base=base, other_seeds=SEEDS[1 : args.seeds], methods=args.methods,
+        run=lambda jobs, log: run_jobs(jobs, args.jobs, log), summarize=summarize,
+    )
     write_report(args, results, time.perf_counter() - started, factors)
     data_path.unlink()
     return 0
-
-
-def same_lr(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0) or a == b
-
-
-def extend(args: argparse.Namespace, base: dict[str, Any]) -> list[dict[str, Any]]:
-    """--extend-from: the finished runs, plus seed-0 runs at the documented encoder rate times each of
-    --lr-multipliers (lowest first, stopping once one loses on dev), plus the missing seeds at each
-    method's best rate. Everything (old runs first) is written to --out's runs.jsonl."""
-    old = [json.loads(line) for line in args.extend_from.read_text().splitlines() if line.strip()]
-    log = args.out / "runs.jsonl"
-    if log.resolve() == args.extend_from.resolve():
-        raise SystemExit("--extend-from must not be --out's runs.jsonl (it is rewritten); copy it or choose another --out")
-    log.write_text("".join(json.dumps(r) + "\n" for r in old))
-    results = list(old)
-    print(f"extending {len(old)} finished runs from {args.extend_from} (copied to {log})", flush=True)
-
-    def done(method: str, lr: float, seed: int) -> bool:
-        return any(r["method"] == method and r["seed"] == seed and same_lr(r["lr"], lr) for r in results)
-
-    for factor in args.lr_multipliers:
-        jobs = []
-        for method in args.methods:
-            if method in FROZEN:
-                continue
-            lower = [f for f in args.lr_multipliers if f < factor]
-            if lower:
-                best = summarize(results, [method])[0]
-                if best.get("best_lr") is None or not same_lr(best["best_lr"], ENCODER_LR[method] * max(lower)):
-                    print(f"  {method}: x{factor:g} skipped (x{max(lower):g} did not improve on the best rate)")
-                    continue
-            lr = ENCODER_LR[method] * factor
-            if not done(method, lr, SEEDS[0]):
-                jobs.append({**base, "method": method, "lr": lr, "seed": SEEDS[0]})
-        if jobs:
-            print(f"encoder rate x{factor:g} at seed {SEEDS[0]}: {len(jobs)} runs", flush=True)
-            results += run_jobs(jobs, args.jobs, log)
-    seed_jobs = []
-    for row in summarize(results, args.methods):
-        if row.get("best_lr") is not None:
-            seed_jobs += [
-                {**base, "method": row["method"], "lr": row["best_lr"], "seed": s}
-                for s in SEEDS[1 : args.seeds]
-                if not done(row["method"], row["best_lr"], s)
-            ]
-    if seed_jobs:
-        print(f"missing seeds at the best learning rate: {len(seed_jobs)} runs", flush=True)
-        results += run_jobs(seed_jobs, args.jobs, log)
-    return results
 
 
 def steps_of(budget: Budget, max_steps: Optional[int] = None) -> int:
@@ -538,7 +449,7 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], second
 
     def grid_done(method: str) -> bool:
         lrs = [r["lr"] for r in results if r["method"] == method and r["seed"] == SEEDS[0]]
-        return all(any(same_lr(lr, ENCODER_LR[method] * f) for lr in lrs) for f in factors_of(method, factors))
+        return all(any(_common.same_lr(lr, ENCODER_LR[method] * f) for lr in lrs) for f in factors_of(method, factors))
 
     complete = all(
         by_method.get(m, {}).get("best_lr") is not None and grid_done(m) and len(by_method[m]["seeds"]) >= args.seeds
