@@ -54,45 +54,40 @@ def _nbytes(value) -> int:
     return 0
 
 
-# which argument holds the payload (the reduced / gathered / to-be-scattered tensor)
+# per collective: the argument that holds the payload (the reduced / gathered / to-be-scattered tensor)
+# and the kind it is reported under
 _PAYLOAD = {
-    "all_reduce": "tensor", "all_reduce_coalesced": "tensors", "reduce": "tensor", "broadcast": "tensor",
-    "all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor", "_all_gather_base": "output_tensor",
-    "all_gather_single": "output_tensor", "all_gather_coalesced": "output_tensor_lists",
-    "reduce_scatter": "input_list", "reduce_scatter_tensor": "input", "_reduce_scatter_base": "input",
-    "reduce_scatter_single": "input", "all_to_all_single": "input", "all_to_all": "input_tensor_list",
-    "_broadcast_coalesced": None,
+    "all_reduce": ("tensor", "all_reduce"), "all_reduce_coalesced": ("tensors", "all_reduce"),
+    "reduce": ("tensor", "all_reduce"), "broadcast": ("tensor", "broadcast/other"),
+    "_broadcast_coalesced": ("tensors", "broadcast/other"),
+    "all_gather": ("tensor_list", "all_gather"), "all_gather_into_tensor": ("output_tensor", "all_gather"),
+    "_all_gather_base": ("output_tensor", "all_gather"), "all_gather_single": ("output_tensor", "all_gather"),
+    "all_gather_coalesced": ("output_tensor_lists", "all_gather"),
+    "reduce_scatter": ("input_list", "reduce_scatter"), "reduce_scatter_tensor": ("input", "reduce_scatter"),
+    "_reduce_scatter_base": ("input", "reduce_scatter"), "reduce_scatter_single": ("input", "reduce_scatter"),
+    "all_to_all_single": ("input", "broadcast/other"), "all_to_all": ("input_tensor_list", "broadcast/other"),
 }
 
 
-def _record(name: str, nbytes: int) -> None:
+def _record(kind: str, nbytes: int) -> None:
     if _PHASE[0] == "idle":
         return
     table = _BYTES["refresh" if _PHASE[0] == "refresh" else "step"]
-    kind = "all_reduce" if "reduce" in name and "scatter" not in name else (
-        "reduce_scatter" if "scatter" in name else ("all_gather" if "gather" in name else "broadcast/other"))
     table[kind] = table.get(kind, 0) + nbytes
 
 
 def _wrap(name: str) -> None:
     original = getattr(dist, name)
-    key = _PAYLOAD[name]
-    try:
-        signature = inspect.signature(original)
-    except (TypeError, ValueError):
-        signature = None
+    key, kind = _PAYLOAD[name]
 
     def counted(*args, **kwargs):
-        if name == "_broadcast_coalesced":  # (process_group, tensors, buffer_size, src)
-            _record(name, _nbytes(args[1] if len(args) > 1 else kwargs.get("tensors")))
-        elif signature is not None:
-            try:
-                bound = signature.bind_partial(*args, **kwargs)
-                _record(name, _nbytes(bound.arguments.get(key)))
-            except TypeError:
-                pass
+        if name == "_broadcast_coalesced":  # a C++ binding without a signature: (process_group, tensors, ...)
+            _record(kind, _nbytes(args[1] if len(args) > 1 else kwargs.get("tensors")))
+        else:
+            _record(kind, _nbytes(signature.bind_partial(*args, **kwargs).arguments.get(key)))
         return original(*args, **kwargs)
 
+    signature = None if name == "_broadcast_coalesced" else inspect.signature(original)
     setattr(dist, name, counted)
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is not None and getattr(c10d, name, None) is original:

@@ -110,25 +110,33 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
     ZeRO-3 must keep each GaLore group in one sub-group: its default ``sub_group_size`` of 1e9 does).
     """
 
+    from .integrations.fsdp1 import fsdp1_units, had_gradient
+
     def hook(opt: torch.optim.Optimizer, args, kwargs) -> None:
         layers: Optional[dict[str, GaLoreLinear]] = None
+        units: Optional[dict[int, nn.Module]] = None
         for group in opt.param_groups:
             wd = group.get("weight_decay", 0.0)
             # ZeRO-3 steps one sub-group at a time and leaves the other groups' "params" empty meanwhile.
             if not group.get("galore") or not wd or not group["params"]:
                 continue
             if layers is None:
-                from .integrations.fsdp1 import fsdp1_units, had_gradient
-
                 layers = dict(iter_galore_layers(model))
                 by_factor = {id(layer.galore_factor): layer for layer in layers.values()}
-                units = fsdp1_units(model)
             factor = 1.0 - float(group["lr"]) * wd
             owned = [(p, by_factor.get(id(p))) for p in group["params"]]
             if any(layer is not None for _, layer in owned):
                 for p, layer in owned:
-                    if layer is not None and had_gradient(p, units):
-                        layer.base_multiplier.mul_(factor)
+                    if layer is None:
+                        continue
+                    if p.grad is None:
+                        # Only then can FSDP1 matter (an empty local view of a factor that did take part):
+                        # its units are looked up at most once per step, never when every factor has a grad.
+                        if units is None:
+                            units = fsdp1_units(model)
+                        if not had_gradient(p, units):
+                            continue
+                    layer.base_multiplier.mul_(factor)
             else:
                 for name in group.get("galore_layers", ()):
                     layers[name].base_multiplier.mul_(factor)

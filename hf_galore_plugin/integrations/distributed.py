@@ -37,8 +37,8 @@ import hf_galore_plugin as hgp
 from ..api import _galore_state_per_layer
 from ..config import GaLoreConfig
 from ..inject import iter_galore_layers, iter_galore_layers_by_key, select_targets
-from .fsdp1 import fsdp1_units, group_by_unit, summon_unit
 from ..layers import GaLoreLinear
+from .fsdp1 import fsdp1_units, group_by_unit, summon_unit
 
 __all__ = [
     "DeepSpeedGaLoreOptimizer",
@@ -99,7 +99,7 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
 
 def gathered_galore_state_dict(model: nn.Module, *, root: Optional[nn.Module] = None) -> dict[str, torch.Tensor]:
     """:func:`hf_galore_plugin.galore_state_dict` as whole CPU tensors: ZeRO-3 parameters are gathered one
-    layer at a time, FSDP2 DTensors are all-gathered, FSDP1 units are summoned one layer at a time.
+    layer at a time, FSDP2 DTensors are all-gathered, each FSDP1 unit is summoned once for its layers.
 
     A collective under ZeRO-3 and FSDP1/2: every rank must call it (every rank gets the whole state).
     `root`: the outermost (engine-wrapped) model, when `model` is a module inside it (FSDP1's root
@@ -127,15 +127,15 @@ def load_gathered_galore_state_dict(
     key. ZeRO-3: each layer is gathered, loaded and partitioned again from rank 0's copy. FSDP2: each
     rank keeps its own shard of the whole tensor (no communication). An engine's fp32 master of the
     factor is not touched: the engine restores it from its own checkpoint (the factor saved here is
-    the master's model-dtype copy). FSDP1: each layer's unit is summoned and written back. `root` as in
+    the master's model-dtype copy). FSDP1: each unit is summoned once and written back. `root` as in
     :func:`gathered_galore_state_dict`.
     """
     units = fsdp1_units(root if root is not None else model)
-    per_layer = {id(layer): layer_state for layer, layer_state in _galore_state_per_layer(model, state)}
-    for unit, members in group_by_unit(iter_galore_layers_by_key(model), units):
+    pairs = [(layer_state, layer) for layer, layer_state in _galore_state_per_layer(model, state)]
+    for unit, members in group_by_unit(pairs, units):
         with summon_unit(unit, writeback=True):
-            for _, layer in members:
-                _load_layer_state(layer, per_layer[id(layer)])
+            for layer_state, layer in members:
+                _load_layer_state(layer, layer_state)
 
 
 def _load_layer_state(layer: GaLoreLinear, layer_state: dict[str, torch.Tensor]) -> None:

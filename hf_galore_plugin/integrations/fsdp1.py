@@ -60,18 +60,18 @@ def summon_unit(unit: Optional[nn.Module], *, writeback: bool):
 
 
 def group_by_unit(layers, units: dict[int, nn.Module]) -> list[tuple[Optional[nn.Module], list]]:
-    """`layers` ((name, layer) pairs) grouped by the FSDP1 unit that holds each, in order of first
+    """`layers` ((anything, layer) pairs) grouped by the FSDP1 unit that holds each, in order of first
     appearance (the same on every rank), so each unit is gathered once however many of its layers need
     it; layers FSDP1 does not manage form groups with unit None."""
     groups: list[tuple[Optional[nn.Module], list]] = []
     index: dict[int, int] = {}
-    for name, layer in layers:
+    for tag, layer in layers:
         unit = units.get(id(layer.galore_factor))
         key = id(unit) if unit is not None else -1
         if key not in index:
             index[key] = len(groups)
             groups.append((unit, []))
-        groups[index[key]][1].append((name, layer))
+        groups[index[key]][1].append((tag, layer))
     return groups
 
 
