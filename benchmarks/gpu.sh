@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU subset of the benchmarks, for one Hopper GPU (H100/H200), in under 8 minutes:
+#   0. the fused 8-bit AdamW Triton kernel against its torch twin (tests/test_optim_triton.py, compiled),
 #   1. quantization kernel throughput (benchmarks/quant.py),
 #   2. fused 8-bit AdamW kernel throughput vs torch fused AdamW and bitsandbytes AdamW8bit,
 #   3. step time and peak torch.cuda.max_memory_allocated of a ~1.1B Llama (hidden 2048, intermediate
@@ -37,6 +38,7 @@ run() {  # run LABEL TIMEOUT_S COMMAND...: log everything; a failure is recorded
   fi
 }
 
+run "Triton kernels vs torch twins (compiled, not interpreted)" 150 env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_optim_triton.py
 run "quantization kernels" 120 "$PYTHON" benchmarks/quant.py --out "$OUT/quant"
 run "fused 8-bit AdamW kernel" 90 "$PYTHON" benchmarks/gpu_step.py kernel --out "$OUT"
 for method in adamw bnb_adamw8bit galore_adamw galore_adamw_8bit qgalore_adamw_8bit; do
@@ -57,6 +59,10 @@ done
   echo "### Quantization kernels (benchmarks/quant.py)"
   echo
   cat "$OUT/quant/quant.md" 2>/dev/null || echo "(not measured: see gpu.log)"
+  echo
+  echo "### Triton correctness on the GPU (tests/test_optim_triton.py)"
+  echo
+  grep -E "passed|failed|error" "$LOG" | grep -v "^===" | tail -1 || echo "(not run: see gpu.log)"
   echo
   echo "### Fused 8-bit AdamW step, 64M values"
   echo
