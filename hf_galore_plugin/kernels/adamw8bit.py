@@ -263,7 +263,10 @@ if is_triton_available():
 
     @triton.jit
     def _store_moment(value, codes_ptr, scales_ptr, midpoints_ptr, block, offsets, mask, SIGNED: tl.constexpr):
-        """Quantize one block to the nearest code; returns the dequantized value it stored."""
+        """Quantize one block to the nearest code; returns (code-book index, block absmax).
+
+        The caller dequantizes from these registers: reading the scale back from memory right after
+        this store would race on a GPU (threads of one program are not ordered without a barrier)."""
         absmax = tl.max(tl.where(mask, tl.abs(value), 0.0), axis=0)
         normalized = tl.div_rn(value, tl.where(absmax > 0.0, absmax, 1.0))
         # Branchless lower bound over the 255 sorted midpoints: index = #(midpoints < normalized).
@@ -276,7 +279,7 @@ if is_triton_available():
         else:
             tl.store(codes_ptr + offsets, index.to(tl.uint8), mask=mask)
         tl.store(scales_ptr + block, absmax)
-        return index
+        return index, absmax
 
     @triton.jit
     def _adamw8bit_step_kernel(
@@ -328,11 +331,11 @@ if is_triton_available():
         p = p * decay - step_size * tl.div_rn(m, denom)
         tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
 
-        m_index = _store_moment(m, m_codes_ptr, m_scales_ptr, signed_mid_ptr, block, offsets, mask, True)
-        v_index = _store_moment(v, v_codes_ptr, v_scales_ptr, unsigned_mid_ptr, block, offsets, mask, False)
+        m_index, m_absmax = _store_moment(m, m_codes_ptr, m_scales_ptr, signed_mid_ptr, block, offsets, mask, True)
+        v_index, v_absmax = _store_moment(v, v_codes_ptr, v_scales_ptr, unsigned_mid_ptr, block, offsets, mask, False)
         if ERROR_FEEDBACK:
-            m_stored = tl.load(signed_book_ptr + m_index) * tl.load(m_scales_ptr + block)
-            v_stored = tl.load(unsigned_book_ptr + v_index) * tl.load(v_scales_ptr + block)
+            m_stored = tl.load(signed_book_ptr + m_index) * m_absmax
+            v_stored = tl.load(unsigned_book_ptr + v_index) * v_absmax
             _store_moment(m - m_stored, mr_codes_ptr, mr_scales_ptr, signed_mid_ptr, block, offsets, mask, True)
             _store_moment(v - v_stored, vr_codes_ptr, vr_scales_ptr, signed_mid_ptr, block, offsets, mask, True)
 
@@ -379,6 +382,7 @@ def adamw8bit_step_triton(
         n, s["decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
         s["step_size"], s["bias_correction2_sqrt"], s["sq_floor"], eps,
         BLOCK=block_size, ERROR_FEEDBACK=error_feedback,
+        enable_fp_fusion=False,  # no fused multiply-adds: the twin rounds every product and sum
     )  # fmt: skip
 
 

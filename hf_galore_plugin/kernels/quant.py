@@ -8,7 +8,7 @@ consumed two per byte by loading the even and the odd elements of each block as 
 
 The math mirrors the twin operation for operation (same fp32 expressions, same order, divisions
 correctly rounded with `tl.div_rn` as torch's tensor division is), so the interpreter reproduces
-the twin's codes exactly; on a GPU, fused multiply-adds may move a code at an exact tie.
+the twin's codes exactly; launches turn off fused multiply-adds so compiled code rounds as the twin does.
 Round-half-to-even is `(v + 1.5*2**23) - 1.5*2**23` (exact for |v| < 2**22; codes are < 256):
 libdevice's rint has no interpreter implementation in Triton 3.9. Stochastic rounding reads
 caller-made uniform randoms (see the twin's module docstring). Launchers skip empty inputs.
@@ -27,7 +27,7 @@ __all__ = ["blockwise_stats_triton", "quantize_blockwise_triton", "dequantize_bl
 
 _SCHEME_IDS = {"symmetric": 0, "asymmetric": 1, "uniform": 2, "nf4": 3}
 _TILE_VALUES = 4096
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23; a jit function reads only constexpr globals
 
 
 @triton.jit
@@ -232,6 +232,7 @@ def blockwise_stats_triton(
         _blockwise_stats_kernel[grid](
             x, scales, scales if zeros is None else zeros, x.numel(), num_blocks,
             code_levels(scheme, bits), ASYMMETRIC=scheme == "asymmetric", BLOCK=block_size, ROWS=rows,
+            enable_fp_fusion=False,
         )
     return scales, zeros
 
@@ -264,6 +265,7 @@ def quantize_blockwise_triton(
             numel, num_blocks, code_levels(scheme, bits), nibble_offset(scheme, bits),
             SCHEME=_SCHEME_IDS[scheme], PACKED=bits == 4, STOCHASTIC=randoms is not None,
             SCALES_GIVEN=scales_given, BLOCK=block_size, ROWS=rows,
+            enable_fp_fusion=False,
         )
     return codes, scales, zero_points
 
@@ -289,5 +291,6 @@ def dequantize_blockwise_triton(
             grid_table(codes.device), out, numel, num_blocks, code_levels(scheme, bits),
             nibble_offset(scheme, bits),
             SCHEME=_SCHEME_IDS[scheme], PACKED=bits == 4, BLOCK=block_size, ROWS=rows,
+            enable_fp_fusion=False,
         )
     return out
