@@ -44,6 +44,8 @@ class MethodSetup:
     lora_matched_rank: int
     head_regex: Optional[str] = None  # parameters (re.search on the name) trained at head_lr by every method
     head_lr: Optional[float] = None
+    # GaLoreConfig fields that differ from the preset (ablations), as (name, value) pairs.
+    galore_overrides: tuple = ()
 
 
 def param_groups(model: nn.Module, setup: MethodSetup, lr: float) -> list[dict[str, Any]]:
@@ -131,6 +133,28 @@ def _galore_torch_groups(model: nn.Module, setup: MethodSetup) -> list[dict[str,
     ]
 
 
+def _galore_rate_groups(model: nn.Module, setup: MethodSetup, lr: float) -> list[dict[str, Any]]:
+    """Plain AdamW at the learning rates a GaLore run gives each parameter: the matrices GaLore projects
+    at lr * scale (their weights move by lr * scale per unit of normalised update), everything else
+    (embeddings, norms, head) at lr. It separates GaLore's effect from its per-group rates."""
+    names = {f"{n}.weight" for n in target_names(model, setup.targets_regex)}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if n not in names], "lr": lr, "weight_decay": 0.0},
+        {"params": [p for n, p in named if n in names], "lr": lr * setup.galore_scale, "weight_decay": 0.0},
+    ]
+
+
+def galore_lr_multiplier(config: Any, step: int, steps: int) -> float:
+    """The factor the Trainer integration (GaLoreCallback.multiplier_at) applies to the GaLore groups'
+    learning rate before optimizer step `step` of `steps`: lr_scale, recovering linearly to 1 over
+    lr_recovery_fraction of training."""
+    if config.lr_recovery_fraction <= 0 or steps <= 0:
+        return config.lr_scale
+    progress = min(1.0, step / (config.lr_recovery_fraction * steps))
+    return config.lr_scale + (1.0 - config.lr_scale) * progress
+
+
 def _transformers_galore(model: nn.Module, setup: MethodSetup, lr: float) -> torch.optim.Optimizer:
     """transformers' own `optim="galore_adamw"` dispatch (Trainer.get_optimizer_cls_and_kwargs)."""
     from transformers import Trainer, TrainingArguments
@@ -162,6 +186,8 @@ def setup_method(
     common = {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     if method == "adamw":
         optimizer = torch.optim.AdamW(param_groups(model, setup, lr), **common)
+    elif method == "adamw_galore_rates":
+        optimizer = torch.optim.AdamW(_galore_rate_groups(model, setup, lr), **common)
     elif method == "bnb_adamw8bit":
         import bitsandbytes as bnb
 
@@ -176,8 +202,8 @@ def setup_method(
         from hf_galore_plugin import GaLoreConfig, after_step as galore_after_step, create_optimizer, prepare_model
 
         config = GaLoreConfig.preset(
-            method, rank=setup.galore_rank, update_proj_gap=setup.galore_gap, scale=setup.galore_scale,
-            target_modules=setup.targets_regex,
+            method, **{"rank": setup.galore_rank, "update_proj_gap": setup.galore_gap, "scale": setup.galore_scale,
+                       "target_modules": setup.targets_regex, **dict(setup.galore_overrides)},
         )  # fmt: skip
         model = prepare_model(model, config)
         optimizer = create_optimizer(model, **common, param_groups=param_groups(model, setup, lr))
@@ -195,6 +221,11 @@ def setup_method(
 
 
 def method_note(method: str, setup: MethodSetup) -> str:
+    if method == "adamw_galore_rates":
+        return f"targets at lr x {setup.galore_scale}, the rest at lr"
+    if setup.galore_overrides and method in OURS:
+        overrides = ", ".join(f"{k}={v}" for k, v in setup.galore_overrides)
+        return f"rank {setup.galore_rank}, gap {setup.galore_gap}, scale {setup.galore_scale}, {overrides}"
     if method in OURS or method in ("galore_torch", "transformers_galore"):
         return f"rank {setup.galore_rank}, gap {setup.galore_gap}, scale {setup.galore_scale}"
     if method == "lora_r8":

@@ -48,7 +48,7 @@ import _common  # noqa: E402  (sets HF_GALORE_PLUGIN_NO_TAKEOVER=1 before anythi
 import torch  # noqa: E402
 
 METHODS = (
-    "adamw", "bnb_adamw8bit", "galore_torch", "transformers_galore",
+    "adamw", "adamw_galore_rates", "bnb_adamw8bit", "galore_torch", "transformers_galore",
     "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "lora_r8", "lora_matched", "qlora_nf4",
 )  # fmt: skip
 
@@ -56,10 +56,12 @@ METHODS = (
 # - adamw, bnb_adamw8bit: 1e-3, the full-rank baseline of the GaLore paper's LLaMA 60M-1B runs.
 # - galore (all four implementations): 1e-2 with scale 0.25, the GaLore paper's pre-training setting
 #   (weights move at about lr * scale = 2.5e-3 per unit of normalised update).
+# - adamw_galore_rates: AdamW at a GaLore run's per-group rates (projected matrices at lr * scale, the
+#   rest at lr), so its documented lr is GaLore's.
 # - LoRA, QLoRA: 1e-3. Neither paper documents a rate for pre-training from scratch; this is the
 #   full-rank rate, which the GaLore paper's low-rank baselines start from. The sweep covers 3e-3.
 DOCUMENTED_LR = {
-    "adamw": 1e-3, "bnb_adamw8bit": 1e-3, "galore_torch": 1e-2, "transformers_galore": 1e-2,
+    "adamw": 1e-3, "adamw_galore_rates": 1e-2, "bnb_adamw8bit": 1e-3, "galore_torch": 1e-2, "transformers_galore": 1e-2,
     "galore_adamw": 1e-2, "galore_adamw_8bit": 1e-2, "qgalore_adamw_8bit": 1e-2,
     "lora_r8": 1e-3, "lora_matched": 1e-3, "qlora_nf4": 1e-3,
 }  # fmt: skip
@@ -170,10 +172,21 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     setup = _common.MethodSetup(
         targets_regex=TARGETS, extra_trainable=EXTRA_TRAINABLE, galore_rank=size.rank, galore_gap=size.gap,
         galore_scale=0.25, lora_rank=8, lora_matched_rank=_common.matched_lora_rank(model, TARGETS, size.rank),
+        galore_overrides=tuple(sorted(job.get("galore_overrides", {}).items())),
     )  # fmt: skip
     started = time.perf_counter()
     model, optimizer, after_step = _common.setup_method(job["method"], model, setup, lr=job["lr"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup_cosine(size.steps))
+    schedule = _common.warmup_cosine(size.steps)
+    lambdas = [schedule] * len(optimizer.param_groups)
+    galore_config = getattr(model, "galore_config", None)
+    if job.get("apply_lr_scale") and galore_config is not None:
+        # The Trainer integration's lr_scale (and its recovery) on the GaLore groups, as GaLoreCallback applies it.
+        def scaled(step: int) -> float:
+            return schedule(step) * _common.galore_lr_multiplier(galore_config, step, size.steps)
+
+        lambdas = [scaled if g.get("galore") else schedule for g in optimizer.param_groups]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    refresh_seconds = 0.0
     trainable = [p for p in model.parameters() if p.requires_grad]
     order = batch_order(len(data["train"]), size, job["seed"])
     losses, state_bytes, diverged = [], {}, False
@@ -183,7 +196,9 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
+        tick = time.perf_counter()
         after_step()
+        refresh_seconds += time.perf_counter() - tick
         if step == size.steps - 1:
             state_bytes = _common.training_state_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -211,7 +226,19 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "state_bytes": state_bytes,
         "state_bytes_total": sum(state_bytes.values()) if state_bytes else None,
         "train_seconds": train_seconds,
+        "step_driver_seconds": refresh_seconds,  # time in after_step: basis refreshes and folds
+        "refreshes": _refresh_count(model),
+        "galore_overrides": job.get("galore_overrides", {}),
+        "apply_lr_scale": bool(job.get("apply_lr_scale")),
     }
+
+
+def _refresh_count(model) -> Optional[int]:
+    """Basis computations over all GaLore layers (the first, calibration basis included); None without GaLore."""
+    from hf_galore_plugin.layers import GaLoreLinear
+
+    layers = [m for m in model.modules() if isinstance(m, GaLoreLinear)]
+    return sum(int(m.galore_num_refreshes) for m in layers) if layers else None
 
 
 def describe(result: dict[str, Any]) -> str:
