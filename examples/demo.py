@@ -40,20 +40,23 @@ HELDOUT_TEXT = REPO / "data" / "shakespeare_heldout.txt"
 GALORE_METHODS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 ALL_METHODS = ("adamw_torch", *GALORE_METHODS, "lora")
 
-# Peak learning rate per method (linear warmup over 10% of the steps, cosine decay after it).
-# - adamw_torch: 1e-3, the usual AdamW rate for small Llamas (GaLore paper baselines: 1e-3).
-# - GaLore family: 1e-2 with scale 0.25, the GaLore paper's setting for 60M pre-training: the low-rank
-#   update is multiplied by the scale, so the weights move at about lr * scale = 2.5e-3 per unit of
-#   normalised update. The plugin multiplies the GaLore groups' lr by lr_scale (0.85) itself.
-# - lora: 1e-3 on the adapters (rank 8, alpha 16) and on the fully trained embeddings, head and norms,
-#   the same rate as AdamW.
+# Peak learning rate per method (linear warmup over 10% of the steps, cosine decay after it): each
+# method's best rate in the quality grid (BENCHMARKS.md "Quality", benchmarks/quality.py size tiny: the
+# same text, a Llama of the same family, every method swept over the same x3 steps and bracketed).
+# - adamw_torch: 3e-3 (grid: 1e-3 -> 4.818, 3e-3 -> 4.675, 1e-2 -> 5.013 held-out loss at seed 0).
+# - GaLore family: 3e-2 with scale 0.25 (grid: 1e-2 -> 4.20, 3e-2 -> 4.17-4.19, 1e-1 -> 4.41-4.44); the
+#   low-rank update is multiplied by the scale, so the projected weights move at about lr * scale per
+#   unit of normalised update. The plugin multiplies the GaLore groups' lr by lr_scale (0.85) itself.
+# - lora: 3e-3 on the adapters (rank 8, alpha 16) and on the fully trained embeddings, head and norms
+#   (grid: 1e-3 -> 5.020, 3e-3 -> 4.426, 1e-2 -> 5.664).
 LEARNING_RATES = {
-    "adamw_torch": 1e-3,
-    "galore_adamw": 1e-2,
-    "galore_adamw_8bit": 1e-2,
-    "qgalore_adamw_8bit": 1e-2,
-    "lora": 1e-3,
+    "adamw_torch": 3e-3,
+    "galore_adamw": 3e-2,
+    "galore_adamw_8bit": 3e-2,
+    "qgalore_adamw_8bit": 3e-2,
+    "lora": 3e-3,
 }
+LEARNING_RATE_SOURCE = "each method's best rate in the quality grid (BENCHMARKS.md, Quality)"
 GALORE_SCALE = 0.25
 LORA_RANK, LORA_ALPHA = 8, 16
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -319,7 +322,11 @@ def train_one(method: str, scale: Scale, data: dict[str, Any], args: argparse.Na
     )
     probe = make_probe()
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], callbacks=[probe])
-    print(f"\n=== {method}: lr {LEARNING_RATES[method]:g}" + (f", {optim_args}" if optim_args else ""), flush=True)
+    print(
+        f"\n=== {method}: lr {LEARNING_RATES[method]:g} ({LEARNING_RATE_SOURCE})"
+        + (f", {optim_args}" if optim_args else ""),
+        flush=True,
+    )
     with PeakMemorySampler(args.device) as memory:
         trainer.train()
     held_out = trainer.evaluate(eval_dataset=data["heldout"])["eval_loss"]
@@ -476,6 +483,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "allocator overhead.\n"
         "- steps/s: median optimizer step (steps 2..N, all methods in this process) plus the basis refresh "
         "steps' extra time spread over all steps.\n"
+        "- learning rates: "
+        + ", ".join(f"{r['method']} {r['learning_rate']:g}" for r in results)
+        + f", {LEARNING_RATE_SOURCE}; GaLore runs also apply lr_scale 0.85 to the projected groups.\n"
         "- final train loss: mean logged training loss over the last 10% of steps; held-out loss: the first "
         f"{len(data['heldout'])} blocks of a play never trained on (The Tempest)."
     )
