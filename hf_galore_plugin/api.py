@@ -112,13 +112,22 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
 
     from .integrations.fsdp1 import fsdp1_units, had_gradient
 
+    steps = [0]
+
     def hook(opt: torch.optim.Optimizer, args, kwargs) -> None:
+        steps[0] += 1
+        if steps[0] == 2:
+            _check_step_driver(model)
         layers: Optional[dict[str, GaLoreLinear]] = None
         units: Optional[dict[int, nn.Module]] = None
         for group in opt.param_groups:
             wd = group.get("weight_decay", 0.0)
             # ZeRO-3 steps one sub-group at a time and leaves the other groups' "params" empty meanwhile.
-            if not group.get("galore") or not wd or not group["params"]:
+            if not group.get("galore") or not group["params"]:
+                continue
+            if any(getattr(p, "_galore_unloaded", False) for p in group["params"]):
+                raise RuntimeError(_STEP_AFTER_UNLOAD)
+            if not wd:
                 continue
             if layers is None:
                 layers = dict(iter_galore_layers(model))
@@ -139,9 +148,30 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
                     layer.base_multiplier.mul_(factor)
             else:
                 for name in group.get("galore_layers", ()):
+                    if name not in layers:
+                        raise RuntimeError(f"{_STEP_AFTER_UNLOAD} (GaLore layer {name!r} is no longer in the model)")
                     layers[name].base_multiplier.mul_(factor)
 
     return optimizer.register_step_post_hook(hook)
+
+
+def _check_step_driver(model: nn.Module) -> None:
+    """Warn when the optimizer has stepped twice and ``after_step`` never ran: without it no layer leaves its
+    calibration step (no basis, the factor's update is zero, the effective weight never changes) and
+    every layer keeps a dense fp32 gradient."""
+    import warnings
+
+    layers = list(iter_galore_layers(model))
+    if layers and not any(getattr(layer, "_galore_driven", False) for _, layer in layers):
+        warnings.warn(
+            f"the GaLore optimizer has stepped twice but hf_galore_plugin.after_step(model, optimizer) was never "
+            f"called: its {len(layers)} GaLore layers never get a projection basis, so their weights do not "
+            "train (and each keeps a dense gradient). Call after_step(model, optimizer) after every "
+            "optimizer.step(); with transformers' Trainer pass callbacks=[GaLoreCallback()] (the plugin "
+            "attaches it itself for its optim names).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def create_optimizer(
@@ -211,6 +241,8 @@ def after_step(
     layers' FSDP units, one at a time. Returns ``{"refreshed": [layer names], "similarity": mean similarity or None}``.
     """
     layers = list(iter_galore_layers(model))
+    for _, layer in layers:
+        layer._galore_driven = True
     stepped: dict[str, tuple[bool, Optional[float]]] = {}
     due_layers = [(name, layer) for name, layer in layers if layer.refresh_due]
     if due_layers and not hasattr(optimizer, "gathered_parameters"):
@@ -241,8 +273,20 @@ def after_step(
     }
 
 
+_STEP_AFTER_UNLOAD = (
+    "optimizer.step() after merge_and_unload(model): the GaLore layers were folded into plain nn.Linear layers "
+    "and this optimizer still holds their old factors, which the model no longer uses (the step would change "
+    "nothing). Call merge_and_unload after the last step, or build a new optimizer over the merged model's "
+    "parameters (e.g. torch.optim.AdamW(model.parameters()))"
+)
+
+
 def merge_and_unload(model: nn.Module) -> nn.Module:
-    """Fold every GaLore layer back into a plain nn.Linear with the merged weight; returns `model`."""
+    """Fold every GaLore layer back into a plain nn.Linear with the merged weight; returns `model`.
+
+    An optimizer built for the GaLore layers refuses to step afterwards (its factors are gone)."""
+    for _, layer in iter_galore_layers(model):
+        layer.galore_factor._galore_unloaded = True
     unload(model)
     for attr in ("galore_config", "galore_report"):
         if hasattr(model, attr):

@@ -548,9 +548,15 @@ def _patch_init(trainer_cls: type) -> None:
             return original(self, *args, **kwargs)  # let the Trainer report the bad call
         training_args = bound.arguments.get("args")
         _check_layerwise(training_args)
+        from .callback import galore_model_of
+
         name = _served_name(getattr(training_args, "optim", None))
         if name is None:
+            _check_foreign_optimizer(bound.arguments, training_args)
             original(*bound.args, **bound.kwargs)
+            if getattr(self, "model", None) is not None and galore_model_of(self.model) is not None:
+                # a GaLore model with the user's own optimizer: without the callback no layer would train
+                _attach_callback(self, None)
             _bind_callbacks(self)
             return
         config = galore_config_for(training_args, name)
@@ -564,6 +570,26 @@ def _patch_init(trainer_cls: type) -> None:
         _bind_callbacks(self)
 
     trainer_cls.__init__ = _mark(__init__)
+
+
+def _check_foreign_optimizer(arguments: dict[str, Any], training_args: Any) -> None:
+    """A GaLore-prepared model given to a Trainer whose optimizer the Trainer builds from another name
+    (``adamw_torch``): that optimizer has no GaLore groups (no eps scaling, no base decay) and nothing
+    drives the layers' refreshes. Refused; an optimizer passed in ``optimizers=`` is the user's choice."""
+    from .callback import galore_model_of
+
+    model = arguments.get("model")
+    optimizers = arguments.get("optimizers") or (None, None)
+    has_optimizer = optimizers[0] is not None or arguments.get("optimizer_cls_and_kwargs") is not None
+    if model is None or has_optimizer or galore_model_of(model) is None:
+        return
+    optim = getattr(getattr(training_args, "optim", None), "value", getattr(training_args, "optim", None))
+    raise ValueError(
+        f"the model holds GaLore layers (hf_galore_plugin.prepare_model) but TrainingArguments.optim={optim!r} "
+        "builds an optimizer that cannot train them. Use one of the plugin's names, e.g. optim='galore_adamw' "
+        "with optim_args matching the model's GaLoreConfig, or pass "
+        "optimizers=(hf_galore_plugin.create_optimizer(model, lr=...), None)."
+    )
 
 
 def _bind_callbacks(trainer: Any) -> None:
@@ -582,7 +608,7 @@ def _preparing_model_init(model_init: Callable, config: GaLoreConfig, name: str)
     return galore_model_init
 
 
-def _attach_callback(trainer: Any, config: GaLoreConfig) -> None:
+def _attach_callback(trainer: Any, config: Optional[GaLoreConfig]) -> None:
     from .callback import GaLoreCallback
 
     handler = trainer.callback_handler
