@@ -174,6 +174,33 @@ def _check_step_driver(model: nn.Module) -> None:
         )
 
 
+def _initialise_materialised_layers(model: nn.Module) -> None:
+    """Layers prepared on the meta device and materialised with ``to_empty()`` hold uninitialised memory in
+    their own state (factor, bases, multiplier, counters) unless it was loaded or reset since: give them
+    a new layer's state. W0 must have been loaded: a quantized W0 cannot be (it is built from the weight
+    when the layer is prepared), so that case is refused."""
+    import logging
+
+    reset = []
+    for name, layer in iter_galore_layers(model):
+        if not getattr(layer, "_built_on_meta", False) or layer.galore_factor.is_meta:
+            continue
+        if layer.weight is None:
+            raise ValueError(
+                f"GaLore layer {name!r} was prepared on the meta device with weight_storage="
+                f"{layer.config.weight_storage!r} and then materialised: its quantized W0 holds uninitialised "
+                "memory and cannot be loaded from plain weights. Load the weights first and call prepare_model "
+                "on the materialised model, or load a galore_state_dict saved from a prepared model."
+            )
+        layer.reset_galore_state()
+        reset.append(name)
+    if reset:
+        logging.getLogger(__name__).info(
+            "%d GaLore layer(s) prepared on the meta device got a new layer's GaLore state (factor, bases, "
+            "counters); their W0 is the weight loaded after to_empty()", len(reset),
+        )
+
+
 def create_optimizer(
     model: nn.Module,
     config: Optional[GaLoreConfig] = None,
@@ -200,6 +227,7 @@ def create_optimizer(
 
     # FSDP1 (use_orig_params) and ZeRO-3 keep 1-D slices of the factor; their refreshes gather it
     # (integrations.fsdp1, DeepSpeedGaLoreOptimizer). Anything else must hold the 2-D factor.
+    _initialise_materialised_layers(model)
     fsdp1_managed = check_fsdp1_layers(galore_layers(model), fsdp1_units(model))
     for name, layer in galore_layers(model):
         if id(layer) not in fsdp1_managed and not hasattr(layer.galore_factor, "ds_id"):
