@@ -220,3 +220,43 @@ def test_rotation_waits_for_the_galore_state(tmp_path, monkeypatch):
     make_trainer(tmp_path, save_total_limit=1).train()
     assert seen == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"]]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
+
+
+# ---------------------------------------------------------------------- peft (item 1)
+def _peft_trainer(output_dir, **overrides):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["down_proj"])
+    )
+    kwargs = dict(
+        output_dir=str(output_dir), optim="galore_adamw", optim_args=ARGS, max_steps=4, per_device_train_batch_size=4,
+        learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=0,
+        data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=token_data(), eval_dataset=token_data(8))
+
+
+def test_peft_modules_to_save_resume_is_exact(tmp_path):
+    full = _peft_trainer(tmp_path / "full")
+    full.train()
+    resumed = _peft_trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    expected, got = full.model.state_dict(), resumed.model.state_dict()
+    assert expected.keys() == got.keys() and any("galore_factor" in key for key in got)
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+def test_peft_load_best_model_at_end_restores_the_best_checkpoint_exactly(tmp_path):
+    trainer = _peft_trainer(tmp_path, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                            metric_for_best_model="loss", greater_is_better=True)  # the worse one: not the last
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best.endswith("checkpoint-2")
+    saved = torch.load(os.path.join(best, GALORE_STATE_NAME), weights_only=True)["state"]
+    got = hgp.galore_state_dict(trainer.model)
+    assert saved.keys() == got.keys()
+    for key in saved:
+        torch.testing.assert_close(got[key], saved[key], rtol=0, atol=0, equal_nan=True, msg=key)

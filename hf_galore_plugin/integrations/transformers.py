@@ -474,9 +474,32 @@ def _check_merged_weights(model: nn.Module, checkpoint_weights: dict[str, torch.
                 )
 
 
+def _load_peft_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: str, trainer: Any) -> Any:
+    """peft models load a checkpoint through ``load_adapter`` (``set_peft_model_state_dict``), which asks each
+    ``modules_to_save`` copy for its own keys: it sees plain layers holding the merged weights meanwhile
+    (:func:`merged_view`), and the GaLore layers get their exact state from ``galore_state.pt`` after."""
+    from ..api import apply_mutable_changes
+
+    payload = _read_galore_state(folder, model, trainer)
+    with _merged_linears(model) as linears:
+        result = load()
+        checkpoint_weights = {name: linear.weight.detach().clone() for name, linear in linears.items()}
+    hgp.load_galore_state_dict(model, payload["state"])
+    if payload["format"] is not None:
+        _check_merged_weights(model, checkpoint_weights, folder)
+    apply_mutable_changes(model, payload["changed"], where=f"checkpoint {folder}")
+    return result
+
+
+def _is_peft_model(model: Any) -> bool:
+    return any(cls.__module__.startswith("peft.") for cls in type(model).__mro__)
+
+
 def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: str, trainer: Any = None) -> Any:
     from ..api import apply_mutable_changes
 
+    if trainer is not None and _is_peft_model(trainer.model):
+        return _load_peft_with_galore_state(load, model, folder, trainer)
     payload = _read_galore_state(folder, model, trainer)
     checkpoint_weights: dict[str, torch.Tensor] = {}
     with _galore_state_injected(model, payload["state"], checkpoint_weights):
@@ -835,13 +858,24 @@ def merged_view(model: nn.Module) -> Iterator[nn.Module]:
     ``modules_to_save`` copy for its own keys): they see a plain model; the GaLore layers (and
     everything they hold) are put back afterwards, untouched.
     """
+    with _merged_linears(model):
+        yield model
+
+
+@contextlib.contextmanager
+def _merged_linears(model: nn.Module) -> Iterator[dict[str, nn.Linear]]:
+    """:func:`merged_view`, yielding the plain layers put in place of the GaLore layers (by layer name)."""
     merged = hgp.merged_state_dict(model)
-    swapped = []
+    swapped, linears = [], {}
     for layer_name, layer in hgp.galore_layers(model):
-        linear = plain_linear(layer, merged[f"{layer_name}.weight"], requires_grad=False)
+        key = f"{layer_name}.weight"
+        for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+            key = key.replace(wrapper, "")
+        linear = plain_linear(layer, merged[key], requires_grad=False)
+        linears[layer_name] = linear
         swapped.append((*swap_submodule(model, layer_name, linear), layer))
     try:
-        yield model
+        yield linears
     finally:
         for parent, child, layer in swapped:
             setattr(parent, child, layer)
