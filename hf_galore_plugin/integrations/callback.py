@@ -237,8 +237,20 @@ class GaLoreCallback(TrainerCallback):
 
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if trainer is None:
+            # not bound (added with trainer.add_callback): the integration's save has run if the file is there
+            if _saved_for_step(os.path.join(folder, GALORE_STATE_NAME), state.global_step):
+                return
             raise RuntimeError(
-                "GaLoreCallback.on_save needs its Trainer to write galore_state.pt: pass the callback in "
-                "Trainer(callbacks=[...]) or call callback.bind_trainer(trainer)"
+                f"GaLoreCallback.on_save: {folder} has no {GALORE_STATE_NAME} of step {state.global_step} and the "
+                "callback is not bound to its Trainer to write one: pass the callback in Trainer(callbacks=[...]) "
+                "or call callback.bind_trainer(trainer)"
             )
         save_galore_state(trainer, galore_model_of(model), folder)
+
+
+def _saved_for_step(path: str, step: int) -> bool:
+    if not os.path.isfile(path):
+        return False
+    from ..api import read_galore_checkpoint
+
+    return read_galore_checkpoint(path).get("global_step") == step
