@@ -35,6 +35,10 @@ __all__ = [
     "galore_state_dict",
     "load_galore_state_dict",
     "galore_stats",
+    "GaLoreCheckpointError",
+    "save_galore_checkpoint",
+    "read_galore_checkpoint",
+    "compare_galore_config",
 ]
 
 
@@ -125,7 +129,8 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
             # ZeRO-3 steps one sub-group at a time and leaves the other groups' "params" empty meanwhile.
             if not group.get("galore") or not group["params"]:
                 continue
-            if any(getattr(p, "_galore_unloaded", False) for p in group["params"]):
+            # merge_and_unload marks every factor of the model; the group's first one tells
+            if getattr(group["params"][0], "_galore_unloaded", False):
                 raise RuntimeError(_STEP_AFTER_UNLOAD)
             if not wd:
                 continue

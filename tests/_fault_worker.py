@@ -23,16 +23,16 @@ import traceback
 os.environ.setdefault("HF_GALORE_DISABLE_TRITON", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 
-import transformers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
-from transformers import modeling_utils, trainer_callback  # noqa: E402
-from transformers import trainer as trainer_module  # noqa: E402
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import modeling_utils, trainer_callback
+from transformers import trainer as trainer_module
 
-import hf_galore_plugin as hgp  # noqa: E402,F401  registers the optimizer names
+import hf_galore_plugin as hgp  # noqa: F401  registers the optimizer names
 
 transformers.logging.set_verbosity_error()
 
@@ -138,8 +138,6 @@ def install_kill(what: str, step: int) -> None:
 
         trainer_module.rotate_checkpoints = rotate_checkpoints
     elif what == "rmtree":
-        original_rmtree = shutil.rmtree
-
         def rmtree(path, *args, **kwargs):
             files = sorted(os.listdir(path))
             for name in files[: len(files) // 2]:
@@ -195,7 +193,7 @@ def main(workdir: str) -> None:
         output_dir = os.path.join(workdir, f"run{index}")
         result_file = os.path.join(workdir, f"result{index}.pt")
 
-        def killed() -> int:
+        def killed(what=what, step=step, output_dir=output_dir) -> int:
             install_kill.callback = None
             install_kill(what, step)
             trainer = make_trainer(output_dir)
@@ -204,7 +202,7 @@ def main(workdir: str) -> None:
             trainer.train()
             return 0
 
-        def resumed() -> int:
+        def resumed(output_dir=output_dir, result_file=result_file) -> int:
             trainer = make_trainer(output_dir)
             steps = []
             trainer.add_callback(type("Count", (transformers.TrainerCallback,), {

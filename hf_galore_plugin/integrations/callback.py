@@ -28,7 +28,6 @@ import os
 import weakref
 from typing import Any, Optional
 
-import torch
 from transformers import TrainerCallback
 
 import hf_galore_plugin as hgp
