@@ -35,6 +35,10 @@ __all__ = [
     "galore_state_dict",
     "load_galore_state_dict",
     "galore_stats",
+    "GaLoreCheckpointError",
+    "save_galore_checkpoint",
+    "read_galore_checkpoint",
+    "compare_galore_config",
 ]
 
 
@@ -112,13 +116,23 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
 
     from .integrations.fsdp1 import fsdp1_units, had_gradient
 
+    steps = [0]
+
     def hook(opt: torch.optim.Optimizer, args, kwargs) -> None:
+        steps[0] += 1
+        if steps[0] == 2:
+            _check_step_driver(model)
         layers: Optional[dict[str, GaLoreLinear]] = None
         units: Optional[dict[int, nn.Module]] = None
         for group in opt.param_groups:
             wd = group.get("weight_decay", 0.0)
             # ZeRO-3 steps one sub-group at a time and leaves the other groups' "params" empty meanwhile.
-            if not group.get("galore") or not wd or not group["params"]:
+            if not group.get("galore") or not group["params"]:
+                continue
+            # merge_and_unload marks every factor of the model; the group's first one tells
+            if getattr(group["params"][0], "_galore_unloaded", False):
+                raise RuntimeError(_STEP_AFTER_UNLOAD)
+            if not wd:
                 continue
             if layers is None:
                 layers = dict(iter_galore_layers(model))
@@ -139,9 +153,57 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
                     layer.base_multiplier.mul_(factor)
             else:
                 for name in group.get("galore_layers", ()):
+                    if name not in layers:
+                        raise RuntimeError(f"{_STEP_AFTER_UNLOAD} (GaLore layer {name!r} is no longer in the model)")
                     layers[name].base_multiplier.mul_(factor)
 
     return optimizer.register_step_post_hook(hook)
+
+
+def _check_step_driver(model: nn.Module) -> None:
+    """Warn when the optimizer has stepped twice and ``after_step`` never ran: without it no layer leaves its
+    calibration step (no basis, the factor's update is zero, the effective weight never changes) and
+    every layer keeps a dense fp32 gradient."""
+    import warnings
+
+    layers = list(iter_galore_layers(model))
+    if layers and not any(getattr(layer, "_galore_driven", False) for _, layer in layers):
+        warnings.warn(
+            f"the GaLore optimizer has stepped twice but hf_galore_plugin.after_step(model, optimizer) was never "
+            f"called: its {len(layers)} GaLore layers never get a projection basis, so their weights do not "
+            "train (and each keeps a dense gradient). Call after_step(model, optimizer) after every "
+            "optimizer.step(); with transformers' Trainer pass callbacks=[GaLoreCallback()] (the plugin "
+            "attaches it itself for its optim names).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _initialise_materialised_layers(model: nn.Module) -> None:
+    """Layers prepared on the meta device and materialised with ``to_empty()`` hold uninitialised memory in
+    their own state (factor, bases, multiplier, counters) unless it was loaded or reset since: give them
+    a new layer's state. W0 must have been loaded: a quantized W0 cannot be (it is built from the weight
+    when the layer is prepared), so that case is refused."""
+    import logging
+
+    reset = []
+    for name, layer in iter_galore_layers(model):
+        if not getattr(layer, "_built_on_meta", False) or layer.galore_factor.is_meta:
+            continue
+        if layer.weight is None:
+            raise ValueError(
+                f"GaLore layer {name!r} was prepared on the meta device with weight_storage="
+                f"{layer.config.weight_storage!r} and then materialised: its quantized W0 holds uninitialised "
+                "memory and cannot be loaded from plain weights. Load the weights first and call prepare_model "
+                "on the materialised model, or load a galore_state_dict saved from a prepared model."
+            )
+        layer.reset_galore_state()
+        reset.append(name)
+    if reset:
+        logging.getLogger(__name__).info(
+            "%d GaLore layer(s) prepared on the meta device got a new layer's GaLore state (factor, bases, "
+            "counters); their W0 is the weight loaded after to_empty()", len(reset),
+        )
 
 
 def create_optimizer(
@@ -170,6 +232,7 @@ def create_optimizer(
 
     # FSDP1 (use_orig_params) and ZeRO-3 keep 1-D slices of the factor; their refreshes gather it
     # (integrations.fsdp1, DeepSpeedGaLoreOptimizer). Anything else must hold the 2-D factor.
+    _initialise_materialised_layers(model)
     fsdp1_managed = check_fsdp1_layers(galore_layers(model), fsdp1_units(model))
     for name, layer in galore_layers(model):
         if id(layer) not in fsdp1_managed and not hasattr(layer.galore_factor, "ds_id"):
@@ -211,6 +274,8 @@ def after_step(
     layers' FSDP units, one at a time. Returns ``{"refreshed": [layer names], "similarity": mean similarity or None}``.
     """
     layers = list(iter_galore_layers(model))
+    for _, layer in layers:
+        layer._galore_driven = True
     stepped: dict[str, tuple[bool, Optional[float]]] = {}
     due_layers = [(name, layer) for name, layer in layers if layer.refresh_due]
     if due_layers and not hasattr(optimizer, "gathered_parameters"):
@@ -241,8 +306,20 @@ def after_step(
     }
 
 
+_STEP_AFTER_UNLOAD = (
+    "optimizer.step() after merge_and_unload(model): the GaLore layers were folded into plain nn.Linear layers "
+    "and this optimizer still holds their old factors, which the model no longer uses (the step would change "
+    "nothing). Call merge_and_unload after the last step, or build a new optimizer over the merged model's "
+    "parameters (e.g. torch.optim.AdamW(model.parameters()))"
+)
+
+
 def merge_and_unload(model: nn.Module) -> nn.Module:
-    """Fold every GaLore layer back into a plain nn.Linear with the merged weight; returns `model`."""
+    """Fold every GaLore layer back into a plain nn.Linear with the merged weight; returns `model`.
+
+    An optimizer built for the GaLore layers refuses to step afterwards (its factors are gone)."""
+    for _, layer in iter_galore_layers(model):
+        layer.galore_factor._galore_unloaded = True
     unload(model)
     for attr in ("galore_config", "galore_report"):
         if hasattr(model, attr):
@@ -275,9 +352,30 @@ def galore_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_galore_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Restore what :func:`galore_state_dict` saved, exactly (strict: every layer, every key)."""
+    layers = {id(layer): name for name, layer in iter_galore_layers_by_key(model)}
     for layer, layer_state in _galore_state_per_layer(model, state):
         with torch.no_grad():
-            layer.load_state_dict(layer_state, strict=True)
+            try:
+                layer.load_state_dict(layer_state, strict=True)
+            except RuntimeError as exc:
+                raise RuntimeError(layer_state_mismatch(layers[id(layer)], layer, layer_state, exc)) from None
+
+
+def layer_state_mismatch(name: str, layer: GaLoreLinear, layer_state: dict[str, torch.Tensor], exc: Exception) -> str:
+    """What a failed strict load of one GaLore layer means, in the user's terms (not size lists)."""
+    own = layer.state_dict()
+    shapes = [
+        f"{key}: saved {tuple(layer_state[key].shape)}, this layer {tuple(own[key].shape)}"
+        for key in own if key in layer_state and layer_state[key].shape != own[key].shape
+    ]
+    missing = sorted(set(own) - set(layer_state))
+    extra = sorted(set(layer_state) - set(own))
+    details = "; ".join(shapes[:3] + ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else []))
+    return (
+        f"GaLore state of layer {name!r} does not fit the layer ({details or str(exc).splitlines()[0]}): it was "
+        f"saved with other GaLore settings (rank, proj_type, weight_storage or basis_storage; this layer has "
+        f"{layer.extra_repr()}). Prepare the model with the settings the state was saved with."
+    )
 
 
 def _galore_state_per_layer(
@@ -289,7 +387,10 @@ def _galore_state_per_layer(
     for key, value in state.items():
         name, _, sub = key.rpartition(".")
         if name not in per_layer:
-            raise KeyError(f"GaLore state holds {key!r} but the model has no GaLore layer {name!r}")
+            raise KeyError(
+                f"GaLore state holds {key!r} but the model has no GaLore layer {name!r} (the state was saved "
+                "from a model with other target_modules / exclude_modules, or another architecture)"
+            )
         per_layer[name][sub] = value
     return [(layer, per_layer[name]) for name, layer in layers.items()]
 
@@ -325,3 +426,159 @@ def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     for role, values in errors.items():
         stats[f"galore/{role}_quant_error"] = sum(values) / len(values)
     return stats
+
+
+# ---------------------------------------------------------------------- checkpoint files
+# galore_state.pt is a dict of plain values and tensors (loads with weights_only=True):
+#   {"format": GALORE_STATE_FORMAT, "global_step": int | None, "optimizer": str | None,
+#    "config": GaLoreConfig.to_dict(), "state": galore_state_dict(model)}
+# The step and the config bind the file to its checkpoint; the merged weights of the checkpoint's own
+# model file are compared with the ones this state gives when the Trainer loads both.
+GALORE_STATE_FORMAT = "hf_galore_plugin.galore_state.v2"
+
+# Fields the saved tensors depend on: the factor's shape (rank, proj_type), the meaning of the factor
+# (scale), the layout of W0, of the bases and of the optimizer state, the set of layers. A resume
+# with another value would change the model or fail deep inside load_state_dict: refused.
+FIXED_FIELDS = (
+    "rank", "scale", "proj_type", "weight_storage", "weight_group_size", "basis_storage", "basis_group_size",
+    "state_bits", "state_block_size", "error_feedback", "target_modules", "exclude_modules",
+)
+# Fields that only steer what happens from now on (refresh schedule, learning-rate scale, how the next
+# basis is computed): a resume takes the new value and logs it.
+MUTABLE_FIELDS = tuple(name for name in GaLoreConfig.field_names() if name not in FIXED_FIELDS)
+
+
+class GaLoreCheckpointError(ValueError):
+    """A ``galore_state.pt`` that cannot be used for this resume: unreadable, from another step or model,
+    or saved with settings this run cannot take over exactly."""
+
+
+def _normalized(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def compare_galore_config(
+    saved: dict[str, Any], current: GaLoreConfig, *, where: str
+) -> dict[str, tuple[Any, Any]]:
+    """Check a saved config against the current one, field by field.
+
+    A difference in a :data:`FIXED_FIELDS` field raises :class:`GaLoreCheckpointError` naming the field,
+    both values and `where`; returns {field: (saved, current)} for the :data:`MUTABLE_FIELDS` that changed.
+    """
+    now = current.to_dict()
+    fixed = [(name, saved[name], now[name]) for name in FIXED_FIELDS
+             if name in saved and _normalized(saved[name]) != _normalized(now[name])]
+    if fixed:
+        listed = "; ".join(f"{name}: saved {old!r}, now {new!r}" for name, old, new in fixed)
+        raise GaLoreCheckpointError(
+            f"{where} was saved with other GaLore settings that its tensors depend on ({listed}). Resume with "
+            "the saved values (optim_args / GaLoreConfig), or start a new run from the merged model "
+            "(from_pretrained of the checkpoint folder) to use the new ones."
+        )
+    return {name: (saved[name], now[name]) for name in MUTABLE_FIELDS
+            if name in saved and _normalized(saved[name]) != _normalized(now[name])}
+
+
+def apply_mutable_changes(model: nn.Module, changed: dict[str, tuple[Any, Any]], *, where: str) -> None:
+    """Make changed schedule settings take effect on loaded layers (their counters hold the saved ones)."""
+    import logging
+
+    if not changed:
+        return
+    if "update_proj_gap" in changed or "max_proj_gap" in changed:
+        for _, layer in iter_galore_layers(model):
+            config = layer.config
+            # a lazily grown gap restarts from the new base gap (its growth was measured with the old one)
+            layer.galore_gap.fill_(config.update_proj_gap)
+            layer.galore_agree_count.zero_()
+            layer._update_refresh_due()
+    logging.getLogger(__name__).warning(
+        "%s: GaLore settings changed since the checkpoint and take effect from now on: %s",
+        where, "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()),
+    )
+
+
+def save_galore_checkpoint(
+    path: str,
+    state: dict[str, torch.Tensor],
+    config: GaLoreConfig,
+    *,
+    global_step: Optional[int] = None,
+    optimizer_name: Optional[str] = None,
+) -> None:
+    """Write ``galore_state.pt`` atomically: a temporary file in the same folder, fsync, rename, fsync
+    of the folder. A reader sees the previous file or the complete new one, never a partial one."""
+    import os
+
+    payload = {
+        "format": GALORE_STATE_FORMAT,
+        "global_step": None if global_step is None else int(global_step),
+        "optimizer": optimizer_name,
+        "config": config.to_dict(),
+        "state": state,
+    }
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    fsync_folder(folder)
+
+
+def fsync_folder(folder: str) -> None:
+    """Make renames and new files in `folder` durable (no-op where folders cannot be opened)."""
+    import os
+
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> dict[str, Any]:
+    """Read ``galore_state.pt``; returns the dict :func:`save_galore_checkpoint` wrote.
+
+    A file written before the format carried its step and config is returned with those set to None.
+    An unreadable file raises :class:`GaLoreCheckpointError` naming the file and its checkpoint.
+    """
+    import os
+
+    where = f"checkpoint {checkpoint}" if checkpoint else f"file {path}"
+    try:
+        size = os.path.getsize(path)
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every reader failure means the same to the user
+        # The loader's own text may recommend weights_only=False (running arbitrary pickled code):
+        # never pass that on. Its first line without that advice is enough to tell the cause.
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "weights_only" in cause:
+            cause = "it does not hold plain tensors and values (GaLore's own format)"
+        raise GaLoreCheckpointError(
+            f"GaLore state {path} ({size if 'size' in locals() else '?'} bytes) of {where} cannot be read: "
+            f"{type(exc).__name__}: {cause[:300]}. The file is truncated or damaged (a crash while it was "
+            "written by a version without atomic saves, a copy that did not finish, a full disk). Resume "
+            "from an earlier complete checkpoint of this run, or restore this file."
+        ) from None
+    if isinstance(loaded, dict) and loaded.get("format") == GALORE_STATE_FORMAT:
+        return loaded
+    if isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
+        return {"format": None, "global_step": None, "optimizer": None, "config": None, "state": loaded}
+    raise GaLoreCheckpointError(
+        f"GaLore state {path} of {where} is not a galore_state.pt written by hf_galore_plugin "
+        f"(found a {type(loaded).__name__} with keys {sorted(loaded)[:5] if isinstance(loaded, dict) else '-'})."
+    )

@@ -8,6 +8,7 @@ out-of-range values raise ``ValueError`` naming the field, the value and the fix
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -19,6 +20,7 @@ BASIS_METHODS = ("svd", "randomized")
 MOMENT_HANDLING = ("keep", "project", "reset")
 WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
+_OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size")
 
 
 def _help(text: str, **kw: Any):
@@ -124,15 +126,28 @@ class GaLoreConfig:
         def bad(name: str, fix: str) -> ValueError:
             return ValueError(f"GaLoreConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
 
-        for name in ("rank", "update_proj_gap", "lazy_window", "state_block_size", "lazy_growth"):
+        for name in (
+            "rank", "update_proj_gap", "lazy_window", "state_block_size", "lazy_growth", "oversampling",
+            "power_iterations", "state_bits", "seed", "max_proj_gap", "weight_group_size", "basis_group_size",
+        ):
             value = getattr(self, name)
+            if value is None and name in _OPTIONAL_INTS:
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"GaLoreConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+        # A float field that is not a finite number trains nothing useful: scale=inf turns every merged
+        # weight into inf/NaN while the loss may still log as a number.
+        for name in ("scale", "cos_threshold", "lr_scale", "lr_recovery_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"GaLoreConfig.{name} must be a float, got {type(value).__name__} {value!r}")
+            if not math.isfinite(value):
+                raise bad(name, "use a finite number")
         if self.rank < 1:
             raise bad("rank", "use a positive rank, e.g. rank=128")
         if self.update_proj_gap < 1:
             raise bad("update_proj_gap", "use a positive number of steps, e.g. update_proj_gap=200")
-        if not (isinstance(self.scale, (int, float)) and self.scale > 0):
+        if not self.scale > 0:
             raise bad("scale", "use a positive float, e.g. scale=0.25")
         for name, allowed in (
             ("proj_type", PROJ_TYPES),

@@ -75,6 +75,18 @@ def _matches(name: str, targets) -> bool:
     return any(t in name for t in targets)
 
 
+def _shared_parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> names of every module that registers it (tied weights have more than one)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                names = owners.setdefault(id(param), [])
+                if name not in names:
+                    names.append(name)
+    return owners
+
+
 def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[str, nn.Linear]], TargetReport]:
     """The (name, module) pairs to replace, and a report of what was skipped and why."""
     report = TargetReport()
@@ -82,6 +94,8 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
     heads = _output_head_names(model)
     excluded = list(config.exclude_modules or [])
     selected: list[tuple[str, nn.Linear]] = []
+    sharing = _shared_parameter_owners(model)
+    conv1d = [name for name, module in model.named_modules() if type(module).__name__ == "Conv1D"]
     for name, module in model.named_modules():
         if isinstance(module, GaLoreLinear):
             raise ValueError(
@@ -109,6 +123,17 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             skip("output head")
         elif any(name == e or name.endswith("." + e) for e in excluded):
             skip("in exclude_modules")
+        elif id(weight) in sharing and len(sharing[id(weight)]) > 1:
+            others = [owner for owner in sharing[id(weight)] if owner != name]
+            if explicit:
+                # GaLore replaces the weight by W0 + factor: the other owner would keep the old tensor and the
+                # pair would be saved untied under a config that still says tied.
+                raise ValueError(
+                    f"target_modules selects {name!r}, whose weight is tied to {others[0]!r} (shared parameter, "
+                    "e.g. tie_word_embeddings=True): GaLore would untie them. Leave it out of target_modules, or "
+                    "untie the model first (config.tie_word_embeddings=False and a separate copy of the weight)."
+                )
+            skip(f"weight tied to {others[0]}")
         elif not explicit and min(module.out_features, module.in_features) <= config.rank:
             skip(f"smaller side <= rank {config.rank}")
         else:
@@ -116,14 +141,42 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             report.targeted.append(name)
             report.targeted_params += numel
     if not selected:
+        linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        if conv1d:
+            raise ValueError(
+                f"no nn.Linear layer to train with GaLore: this model's projections ({len(conv1d)}, e.g. "
+                f"{conv1d[0]!r}) are transformers' Conv1D (GPT-2 style, weight stored transposed), which GaLore "
+                "does not target. Train this model with a plain optimizer, or replace its Conv1D layers by "
+                "nn.Linear (weight = conv1d.weight.T) before prepare_model."
+            )
+        if not linear:
+            raise ValueError(
+                f"no nn.Linear layer to train with GaLore: {type(model).__name__} has no nn.Linear module (GaLore "
+                "trains the weights of nn.Linear layers only). Use a plain optimizer for this model."
+            )
+        adapters = [n for n, r in report.skipped.items() if r.startswith("adapter")]
+        frozen = [n for n, r in report.skipped.items() if r == "frozen"]
+        if not explicit and len(adapters) + len(frozen) == len(report.skipped) and adapters:
+            raise ValueError(
+                "no nn.Linear layer to train with GaLore: every nn.Linear is frozen or a LoRA/adapter layer "
+                f"({len(adapters)} adapter, {len(frozen)} frozen; e.g. {adapters[0]!r}). A LoRA-only peft model "
+                "has nothing for GaLore to train: GaLore trains full nn.Linear weights; list layers in peft's "
+                "modules_to_save to train them with GaLore, or train the adapters with a plain optimizer."
+            )
         if explicit:
             raise ValueError(
                 f"target_modules={config.target_modules!r} matched no trainable nn.Linear layer; linear layers "
                 f"in this model are e.g. {[n for n in report.skipped][:8]}"
             )
+        by_rank = [n for n, r in report.skipped.items() if r.startswith("smaller side")]
+        if by_rank:
+            raise ValueError(
+                "no nn.Linear layer to train with GaLore: " + report.summary() + ". Lower `rank` "
+                f"(now {config.rank}) below the layers' smaller side, or name layers in target_modules"
+            )
         raise ValueError(
-            "no nn.Linear layer to train with GaLore: " + report.summary() + ". Lower `rank` "
-            f"(now {config.rank}) below the layers' smaller side, or name layers in target_modules"
+            "no nn.Linear layer to train with GaLore: " + report.summary() + ". Name the layers to train in "
+            "target_modules, or make them trainable (requires_grad=True)"
         )
     too_big = [n for n, m in selected if config.rank >= max(m.out_features, m.in_features)]
     if too_big and len(too_big) == len(selected):

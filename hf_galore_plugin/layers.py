@@ -187,9 +187,54 @@ class GaLoreLinear(nn.Module):
         self.register_buffer("galore_seed", buf(config.seed * 1_000_003 + layer_index, torch.int64))
         self.register_buffer("galore_rng_counter", buf(0, torch.int64))
         self._pending_grad: Optional[torch.Tensor] = None
+        self._layer_index = layer_index
+        # Built on the meta device: after to_empty() every buffer holds uninitialised memory until
+        # reset_galore_state() (create_optimizer calls it) or a load of the layer's own state.
+        self._built_on_meta = weight.is_meta
         # A new layer has no basis yet: it records on its first step (known without reading a buffer,
         # which on the meta device would fail).
         self._refresh_due_cache: Optional[bool] = self.needs_basis
+
+    # ------------------------------------------------------------------ initialisation
+    @torch.no_grad()
+    def reset_galore_state(self) -> None:
+        """Set the layer's own state (factor, bases, multiplier, counters, seed) to that of a new layer;
+        W0 and the bias are left as they are (loaded weights). For a model prepared on the meta device
+        and materialised with ``to_empty()``."""
+        self.galore_factor.zero_()
+        for side, dim, rank, identity in (
+            ("left", self.out_features, self.left_rank, self.left_identity),
+            ("right", self.in_features, self.right_rank, self.right_identity),
+        ):
+            if rank is not None and not identity:
+                self._set_basis(side, torch.zeros(dim, rank, device=self.galore_factor.device, dtype=torch.float32))
+        self.base_multiplier.fill_(1.0)
+        self.galore_step.fill_(0)
+        self.galore_last_refresh.fill_(-1)
+        self.galore_num_refreshes.fill_(0)
+        self.galore_gap.fill_(self.config.update_proj_gap)
+        self.galore_agree_count.fill_(0)
+        self.galore_last_similarity.fill_(float("nan"))
+        self.galore_seed.fill_(self.config.seed * 1_000_003 + self._layer_index)
+        self.galore_rng_counter.fill_(0)
+        self._pending_grad = None
+        self._refresh_due_cache = self.needs_basis
+        self._built_on_meta = False
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """A fresh layer as ``nn.Linear.reset_parameters`` initialises one (W0, bias), with new GaLore state:
+        the hook torch (FSDP's meta-device init) and users call on every module after ``to_empty()``."""
+        w = torch.empty(self.out_features, self.in_features, device=self.galore_factor.device, dtype=self.weight_dtype)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        if self.weight is not None:
+            self.weight.copy_(w)
+        else:
+            self._store_quantized("weight_q", w, self.config.weight_storage, self.config.effective_weight_group_size)
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+        self.reset_galore_state()
 
     # ------------------------------------------------------------------ storage helpers
     def _store_quantized(self, prefix: str, value: torch.Tensor, storage: str, group_size: int) -> None:
@@ -603,6 +648,8 @@ class GaLoreLinear(nn.Module):
             if key in state_dict and self._buffers[name] is not None and state_dict[key].shape != self._buffers[name].shape:
                 self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
+        if prefix + "galore_step" in state_dict:
+            self._built_on_meta = False  # its own state came with the load
         self._update_refresh_due()
         self._pending_grad = None
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed._launch import run_one_process, run_two_ranks
+from distributed._launch import assert_weights_match, run_one_process, run_two_ranks
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -121,9 +121,12 @@ def test_trainer_two_ranks_match_single_process_and_resume_exactly(
     # Measured: GaLore layers within 4e-7 absolute; the largest deviations, 6e-6 absolute (values ~4e-3),
     # are in the dense AdamW rows of lm_head/embed_tokens whose gradients are nearly zero, where Adam's
     # normalization turns last-bit differences of the gradient into visible ones.
+    # INT8 W0 with stochastic rounding (Q-GaLore): a fold may also move a few codes by one step
+    # (assert_weights_match says how many and why; seen on an AMD EPYC machine in gate_proj).
     _assert_merged_plain_model(run, single, pretrained)
+    folds = len(REFRESH_STEPS) if preset.startswith("qgalore") else 0
     for key, expected in single["weights"].items():
-        torch.testing.assert_close(run["weights"][key], expected, rtol=1e-4, atol=1e-5, msg=key)
+        assert_weights_match(run["weights"][key], expected, key=key, int8_folds=folds)
     _assert_resumed_exactly(run)
 
     files = run["checkpoint_files"]

@@ -164,7 +164,7 @@ def test_resume_from_checkpoint_is_bit_exact(tmp_path, optim):
 
     full = run(tmp_path / "full")
     checkpoint = tmp_path / "full" / "checkpoint-4"
-    state = torch.load(checkpoint / GALORE_STATE_NAME, weights_only=True)
+    state = torch.load(checkpoint / GALORE_STATE_NAME, weights_only=True)["state"]
     assert any(key.endswith("galore_factor") for key in state)
     resumed = run(tmp_path / "resumed", resume=str(checkpoint))
 

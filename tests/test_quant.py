@@ -427,3 +427,25 @@ def test_import_does_not_import_triton():
     script = "import sys, hf_galore_plugin.quant; print('triton' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.parametrize("scheme,bits", CONFIGS)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_finite_input_wider_than_float32_range_stays_finite(scheme, bits, stochastic):
+    # A block spanning [-3e38, 3e38]: max - min overflows float32 (asymmetric used to give all NaN).
+    big = torch.finfo(torch.float32).max
+    x = torch.linspace(-0.9 * big, 0.9 * big, 64, dtype=torch.float64).to(torch.float32)
+    x = torch.cat([x, torch.randn(64, generator=torch.Generator().manual_seed(0))])
+    generator = torch.Generator().manual_seed(1) if stochastic else None
+    qt = hq.quantize(x, scheme=scheme, bits=bits, block_size=64, double_quant=False, stochastic=stochastic,
+                     generator=generator)
+    out = qt.dequantize(torch.float32)
+    assert bool(torch.isfinite(out).all()), out[~torch.isfinite(out)][:4]
+    # within one step of the block's grid (oracle: exact float64 arithmetic on the same range)
+    wide = x[:64].double()
+    step = float((wide.max() - wide.min()) / (2**bits - 1)) if scheme == "asymmetric" else float(wide.abs().max())
+    assert float((out[:64].double() - wide).abs().max()) <= step * (1.0 if scheme != "nf4" else 0.5)
+    # the ordinary block next to it is quantized as on its own
+    alone = hq.quantize(x[64:], scheme=scheme, bits=bits, block_size=64, double_quant=False)
+    if not stochastic:
+        assert torch.equal(out[64:], alone.dequantize(torch.float32))

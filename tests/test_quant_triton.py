@@ -148,3 +148,18 @@ def test_kernel_stochastic_rounding_is_unbiased():
     step = float((hq.NF4_VALUES[1:] - hq.NF4_VALUES[:-1]).max()) * float(qt.scales[0])
     # Standard error <= (step / 2) / sqrt(draws); 6 of them bound a false alarm below 1e-8 a value.
     assert float((samples.mean(dim=0) - base).abs().max()) <= 6 * (step / 2) / math.sqrt(draws)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_kernel_asymmetric_block_wider_than_float32_range_equals_twin(stochastic):
+    big = torch.finfo(torch.float32).max
+    x = torch.cat([torch.linspace(-0.9 * big, 0.9 * big, 64, dtype=torch.float64).to(torch.float32),
+                   _randn((64,), torch.float32)])
+    randoms = torch.rand(x.numel(), generator=torch.Generator().manual_seed(2)) if stochastic else None
+    kwargs = {"scheme": "asymmetric", "bits": 8, "block_size": 64}
+    got = kernels.quantize_blockwise_triton(x, randoms=randoms, **kwargs)
+    _assert_same_outputs(got, functional.quantize_blockwise_torch(x, randoms=randoms, **kwargs))
+    out = kernels.dequantize_blockwise_triton(*got, numel=x.numel(), dtype=torch.float32, **kwargs)
+    twin = functional.dequantize_blockwise_torch(*got, numel=x.numel(), dtype=torch.float32, **kwargs)
+    torch.testing.assert_close(out, twin, rtol=0, atol=0)
+    assert bool(torch.isfinite(out).all())

@@ -28,7 +28,6 @@ import os
 import weakref
 from typing import Any, Optional
 
-import torch
 from transformers import TrainerCallback
 
 import hf_galore_plugin as hgp
@@ -227,15 +226,30 @@ class GaLoreCallback(TrainerCallback):
             state.log_history[-1].update(extra)
 
     def on_save(self, args, state, control, model=None, **kwargs):
-        from .distributed import gathered_galore_state_dict
-
-        # every rank: ZeRO-3 partitions and FSDP2 shards are gathered (collectives) to save whole tensors
-        galore_state = gathered_galore_state_dict(galore_model_of(model), root=model)
-        if not state.is_world_process_zero:
+        # The integration writes galore_state.pt inside Trainer._save_checkpoint, before rotation
+        # (integrations.transformers.save_galore_state). This covers a Trainer subclass whose own
+        # _save_checkpoint does not reach the integration's.
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is not None and getattr(trainer, "_galore_saved_step", None) == state.global_step:
             return
+        from .transformers import save_galore_state
+
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if not os.path.isdir(folder):
-            logger.warning("GaLoreCallback: checkpoint folder %s not found; GaLore state not saved", folder)
-            return
-        torch.save(galore_state, os.path.join(folder, GALORE_STATE_NAME))
+        if trainer is None:
+            # not bound (added with trainer.add_callback): the integration's save has run if the file is there
+            if _saved_for_step(os.path.join(folder, GALORE_STATE_NAME), state.global_step):
+                return
+            raise RuntimeError(
+                f"GaLoreCallback.on_save: {folder} has no {GALORE_STATE_NAME} of step {state.global_step} and the "
+                "callback is not bound to its Trainer to write one: pass the callback in Trainer(callbacks=[...]) "
+                "or call callback.bind_trainer(trainer)"
+            )
+        save_galore_state(trainer, galore_model_of(model), folder)
 
+
+def _saved_for_step(path: str, step: int) -> bool:
+    if not os.path.isfile(path):
+        return False
+    from ..api import read_galore_checkpoint
+
+    return read_galore_checkpoint(path).get("global_step") == step

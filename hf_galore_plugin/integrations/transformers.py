@@ -39,6 +39,7 @@ from torch import nn
 
 import hf_galore_plugin as hgp
 
+from .. import api as _api
 from ..config import GaLoreConfig
 from ..inject import plain_linear, swap_submodule
 from ..registry import list_optimizer_entry_points, load_optimizer_preset
@@ -286,13 +287,16 @@ def _galore_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module], name
 
 # ---------------------------------------------------------------------- checkpoints
 @contextlib.contextmanager
-def _galore_state_injected(model: nn.Module, galore_state: dict[str, torch.Tensor]) -> Iterator[None]:
+def _galore_state_injected(
+    model: nn.Module, galore_state: dict[str, torch.Tensor], checkpoint_weights: dict[str, torch.Tensor]
+) -> Iterator[None]:
     """While the Trainer loads a checkpoint's weights, GaLore layers receive their exact state.
 
     The checkpoint's ``weight`` of a GaLore layer is the merged W0 + scale*B Q^T (the checkpoint
     is a plain model); each layer's pre-hook replaces it by the layer's own tensors from
     ``galore_state.pt`` (W0, possibly quantized, factor, basis, counters), so no key is reported
-    missing and nothing merged is copied into W0.
+    missing and nothing merged is copied into W0. The merged weights it takes out are kept in
+    `checkpoint_weights` (by layer name) to check that the state belongs to this checkpoint.
     """
     per_layer: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in galore_state.items():
@@ -300,8 +304,10 @@ def _galore_state_injected(model: nn.Module, galore_state: dict[str, torch.Tenso
         per_layer.setdefault(layer_name, {})[sub_key] = value
     handles = []
     for layer_name, layer in hgp.galore_layers(model):
-        def inject(state_dict, prefix, *unused, layer_state=per_layer.get(layer_name, {})):
-            state_dict.pop(prefix + "weight", None)
+        def inject(state_dict, prefix, *unused, layer_state=per_layer.get(layer_name, {}), layer_name=layer_name):
+            merged = state_dict.pop(prefix + "weight", None)
+            if merged is not None:
+                checkpoint_weights[layer_name] = merged
             state_dict.update({prefix + sub_key: value for sub_key, value in layer_state.items()})
 
         handles.append(layer._register_load_state_dict_pre_hook(inject))
@@ -312,7 +318,95 @@ def _galore_state_injected(model: nn.Module, galore_state: dict[str, torch.Tenso
             handle.remove()
 
 
-def _read_galore_state(folder: str) -> dict[str, torch.Tensor]:
+def checkpoint_is_complete(folder: str) -> bool:
+    """A GaLore checkpoint is complete when its ``galore_state.pt`` exists: the integration writes it
+    (atomically) after every other file of the checkpoint, and removes a stale one first."""
+    from .callback import GALORE_STATE_NAME
+
+    return os.path.isfile(os.path.join(folder, GALORE_STATE_NAME))
+
+
+def _checkpoint_steps(output_dir: str) -> list[tuple[int, str]]:
+    """(step, folder) of every ``checkpoint-N`` folder in `output_dir`, newest first."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    found = []
+    if not os.path.isdir(output_dir):
+        return found
+    for entry in os.listdir(output_dir):
+        head, _, step = entry.rpartition("-")
+        path = os.path.join(output_dir, entry)
+        if head == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(path):
+            found.append((int(step), path))
+    return sorted(found, reverse=True)
+
+
+def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
+    """The newest complete GaLore checkpoint folder of `output_dir`, or None."""
+    for _, folder in _checkpoint_steps(output_dir):
+        if checkpoint_is_complete(folder):
+            return folder
+    return None
+
+
+def _resolve_resume(output_dir: str, resume: Any) -> Any:
+    """The checkpoint a GaLore run resumes from: ``True`` picks the newest *complete* one (a folder that
+    a crash left without ``galore_state.pt`` is skipped, with a warning); an explicit incomplete folder is
+    refused, naming the complete one to use."""
+    from .callback import GALORE_STATE_NAME
+
+    if resume is True:
+        checkpoints = _checkpoint_steps(output_dir)
+        if not checkpoints:
+            return resume  # the Trainer reports that there is no checkpoint
+        complete = latest_complete_checkpoint(output_dir)
+        if complete is None:
+            raise ValueError(
+                f"resume_from_checkpoint=True: no complete GaLore checkpoint in {output_dir}: "
+                f"{[folder for _, folder in checkpoints]} lack {GALORE_STATE_NAME} (a run stopped while writing "
+                "them). Start a new run, or pass a complete checkpoint folder of another output_dir."
+            )
+        skipped = [folder for step, folder in checkpoints if step > _step_of(complete)]
+        if skipped:
+            logger.warning(
+                "resume_from_checkpoint=True: skipping incomplete checkpoint(s) %s (no %s: the run stopped while "
+                "writing them); resuming from %s", skipped, GALORE_STATE_NAME, complete,
+            )
+        return complete
+    if isinstance(resume, (str, os.PathLike)) and os.path.isdir(resume) and not checkpoint_is_complete(resume):
+        complete = latest_complete_checkpoint(os.path.dirname(os.path.abspath(resume)))
+        hint = f"resume from {complete}" if complete else "no complete checkpoint is next to it"
+        raise ValueError(
+            f"checkpoint {resume} is incomplete: it has no {GALORE_STATE_NAME} (the run stopped while writing it, "
+            f"or it was not written by a GaLore run); {hint}, or pass resume_from_checkpoint=True to pick the "
+            "newest complete one."
+        )
+    return resume
+
+
+def _step_of(folder: str) -> int:
+    step = os.path.basename(os.path.normpath(folder)).rpartition("-")[2]
+    return int(step) if step.isdigit() else -1
+
+
+def _saved_global_step(folder: str) -> Optional[int]:
+    path = os.path.join(folder, "trainer_state.json")
+    if not os.path.isfile(path):
+        return None
+    import json
+
+    try:
+        with open(path) as handle:
+            return int(json.load(handle)["global_step"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+
+
+def _read_galore_state(folder: str, prepared: Optional[nn.Module] = None, trainer: Any = None) -> dict[str, Any]:
+    """Read and check a checkpoint's ``galore_state.pt``: its step against the checkpoint's own
+    ``trainer_state.json``, its settings against the model's (:data:`hf_galore_plugin.api.FIXED_FIELDS`
+    refused, the others returned as changes). Returns the file's dict plus ``"changed"``."""
+    from ..api import GaLoreCheckpointError, compare_galore_config, read_galore_checkpoint
     from .callback import GALORE_STATE_NAME
 
     path = os.path.join(folder, GALORE_STATE_NAME)
@@ -322,15 +416,99 @@ def _read_galore_state(folder: str) -> dict[str, torch.Tensor]:
             "counters) cannot be restored exactly. Resume from a checkpoint written by a GaLore run, or "
             "start a new run from the merged model with from_pretrained."
         )
-    return torch.load(path, map_location="cpu", weights_only=True)
+    payload = read_galore_checkpoint(path, checkpoint=folder)
+    payload["changed"] = {}
+    if payload["format"] is None:
+        logger.warning(
+            "%s was written by an earlier version of hf_galore_plugin without its step and settings: it is "
+            "loaded without checking that it belongs to this checkpoint", path,
+        )
+        return payload
+    step = _saved_global_step(folder)
+    if step is not None and payload["global_step"] is not None and step != payload["global_step"]:
+        raise GaLoreCheckpointError(
+            f"{path} belongs to step {payload['global_step']}, but checkpoint {folder} is step {step} "
+            f"(trainer_state.json): the file was copied from another checkpoint or left by another run. "
+            "Resume from a checkpoint whose files were written together."
+        )
+    if prepared is not None and payload["config"] is not None:
+        payload["changed"] = compare_galore_config(payload["config"], prepared.galore_config, where=f"checkpoint {folder}")
+    name = _served_name(getattr(getattr(trainer, "args", None), "optim", None))
+    if name is not None and payload["optimizer"] is not None and payload["optimizer"] != name:
+        raise GaLoreCheckpointError(
+            f"checkpoint {folder} was trained with optim={payload['optimizer']!r}, this run uses optim={name!r}: "
+            "the optimizer state and GaLore layers differ between them. Resume with "
+            f"optim={payload['optimizer']!r}, or start a new run from the merged model."
+        )
+    return payload
 
 
-def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: str) -> Any:
-    galore_state = _read_galore_state(folder)
-    with _galore_state_injected(model, galore_state):
+def _check_merged_weights(model: nn.Module, checkpoint_weights: dict[str, torch.Tensor], folder: str) -> None:
+    """The merged weight the checkpoint's model file holds for every GaLore layer must be the one the
+    loaded GaLore state gives (to rounding: both come from the same tensors when they belong together)."""
+    from ..api import GaLoreCheckpointError
+    from .callback import GALORE_STATE_NAME
+
+    for layer_name, layer in hgp.galore_layers(model):
+        saved = checkpoint_weights.get(layer_name)
+        if saved is None or saved.is_meta:
+            continue
+        with torch.no_grad():
+            loaded = layer.effective_weight(torch.float32)
+            saved32 = saved.to(device=loaded.device, dtype=torch.float32)
+            if saved32.shape != loaded.shape:
+                raise GaLoreCheckpointError(
+                    f"checkpoint {folder}: layer {layer_name!r} is {tuple(saved32.shape)} in the model file, "
+                    f"{tuple(loaded.shape)} in {GALORE_STATE_NAME}"
+                )
+            rtol = max(1e-5, 2 * torch.finfo(saved.dtype).eps) if saved.is_floating_point() else 1e-5
+            scale = float(saved32.abs().max())
+            diff = float((loaded - saved32).abs().max())
+            if not diff <= rtol * max(scale, 1e-12):
+                raise GaLoreCheckpointError(
+                    f"{os.path.join(folder, GALORE_STATE_NAME)} does not belong to checkpoint {folder}: the merged "
+                    f"weight of {layer_name!r} it gives differs from the checkpoint's model file by {diff:.3g} "
+                    f"(largest weight {scale:.3g}). The GaLore state was left by another run in the same "
+                    "output_dir or copied from another checkpoint. Resume from a checkpoint whose files were "
+                    "written together."
+                )
+
+
+def _load_peft_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: str, trainer: Any) -> Any:
+    """peft models load a checkpoint through ``load_adapter`` (``set_peft_model_state_dict``), which asks each
+    ``modules_to_save`` copy for its own keys: it sees plain layers holding the merged weights meanwhile
+    (:func:`merged_view`), and the GaLore layers get their exact state from ``galore_state.pt`` after."""
+    from ..api import apply_mutable_changes
+
+    payload = _read_galore_state(folder, model, trainer)
+    with _merged_linears(model) as linears:
+        result = load()
+        checkpoint_weights = {name: linear.weight.detach().clone() for name, linear in linears.items()}
+    hgp.load_galore_state_dict(model, payload["state"])
+    if payload["format"] is not None:
+        _check_merged_weights(model, checkpoint_weights, folder)
+    apply_mutable_changes(model, payload["changed"], where=f"checkpoint {folder}")
+    return result
+
+
+def _is_peft_model(model: Any) -> bool:
+    return any(cls.__module__.startswith("peft.") for cls in type(model).__mro__)
+
+
+def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: str, trainer: Any = None) -> Any:
+    from ..api import apply_mutable_changes
+
+    if trainer is not None and _is_peft_model(trainer.model):
+        return _load_peft_with_galore_state(load, model, folder, trainer)
+    payload = _read_galore_state(folder, model, trainer)
+    checkpoint_weights: dict[str, torch.Tensor] = {}
+    with _galore_state_injected(model, payload["state"], checkpoint_weights):
         result = load()
     # strict: every layer and every key must be there (the injected load above is not strict)
-    hgp.load_galore_state_dict(model, galore_state)
+    hgp.load_galore_state_dict(model, payload["state"])
+    if payload["format"] is not None:
+        _check_merged_weights(model, checkpoint_weights, folder)
+    apply_mutable_changes(model, payload["changed"], where=f"checkpoint {folder}")
     return result
 
 
@@ -349,7 +527,10 @@ def patch_trainer() -> None:
     from transformers import trainer as trainer_module
 
     trainer_cls = getattr(trainer_module, "Trainer", None)
-    for attribute in ("get_optimizer_cls_and_kwargs", "__init__", "_load_from_checkpoint", "_load_best_model"):
+    for attribute in (
+        "get_optimizer_cls_and_kwargs", "__init__", "_load_from_checkpoint", "_load_best_model", "_save_checkpoint",
+        "_get_output_dir", "train",
+    ):
         if trainer_cls is None or attribute not in trainer_cls.__dict__:
             raise _internals_missing(f"transformers.Trainer.{attribute}")
     if not callable(getattr(trainer_module, "deepspeed_load_checkpoint", None)):
@@ -390,9 +571,15 @@ def _patch_init(trainer_cls: type) -> None:
             return original(self, *args, **kwargs)  # let the Trainer report the bad call
         training_args = bound.arguments.get("args")
         _check_layerwise(training_args)
+        from .callback import galore_model_of
+
         name = _served_name(getattr(training_args, "optim", None))
         if name is None:
+            _check_foreign_optimizer(bound.arguments, training_args)
             original(*bound.args, **bound.kwargs)
+            if getattr(self, "model", None) is not None and galore_model_of(self.model) is not None:
+                # a GaLore model with the user's own optimizer: without the callback no layer would train
+                _attach_callback(self, None)
             _bind_callbacks(self)
             return
         config = galore_config_for(training_args, name)
@@ -406,6 +593,26 @@ def _patch_init(trainer_cls: type) -> None:
         _bind_callbacks(self)
 
     trainer_cls.__init__ = _mark(__init__)
+
+
+def _check_foreign_optimizer(arguments: dict[str, Any], training_args: Any) -> None:
+    """A GaLore-prepared model given to a Trainer whose optimizer the Trainer builds from another name
+    (``adamw_torch``): that optimizer has no GaLore groups (no eps scaling, no base decay) and nothing
+    drives the layers' refreshes. Refused; an optimizer passed in ``optimizers=`` is the user's choice."""
+    from .callback import galore_model_of
+
+    model = arguments.get("model")
+    optimizers = arguments.get("optimizers") or (None, None)
+    has_optimizer = optimizers[0] is not None or arguments.get("optimizer_cls_and_kwargs") is not None
+    if model is None or has_optimizer or galore_model_of(model) is None:
+        return
+    optim = getattr(getattr(training_args, "optim", None), "value", getattr(training_args, "optim", None))
+    raise ValueError(
+        f"the model holds GaLore layers (hf_galore_plugin.prepare_model) but TrainingArguments.optim={optim!r} "
+        "builds an optimizer that cannot train them. Use one of the plugin's names, e.g. optim='galore_adamw' "
+        "with optim_args matching the model's GaLoreConfig, or pass "
+        "optimizers=(hf_galore_plugin.create_optimizer(model, lr=...), None)."
+    )
 
 
 def _bind_callbacks(trainer: Any) -> None:
@@ -424,7 +631,7 @@ def _preparing_model_init(model_init: Callable, config: GaLoreConfig, name: str)
     return galore_model_init
 
 
-def _attach_callback(trainer: Any, config: GaLoreConfig) -> None:
+def _attach_callback(trainer: Any, config: Optional[GaLoreConfig]) -> None:
     from .callback import GaLoreCallback
 
     handler = trainer.callback_handler
@@ -452,9 +659,13 @@ def _patch_checkpoints(trainer_cls: type) -> None:
 
             result = original()
             root = getattr(trainer, "model_wrapped", None) or trainer.model
-            load_gathered_galore_state_dict(prepared, _read_galore_state(folder), root=root)  # every rank
+            from ..api import apply_mutable_changes
+
+            payload = _read_galore_state(folder, prepared, trainer)
+            load_gathered_galore_state_dict(prepared, payload["state"], root=root)  # every rank
+            apply_mutable_changes(prepared, payload["changed"], where=f"checkpoint {folder}")
             return result
-        return _load_with_galore_state(original, prepared, folder)
+        return _load_with_galore_state(original, prepared, folder, trainer)
 
     @functools.wraps(original_load)
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -466,6 +677,8 @@ def _patch_checkpoints(trainer_cls: type) -> None:
 
     trainer_cls._load_from_checkpoint = _mark(_load_from_checkpoint)
     trainer_cls._load_best_model = _mark(_load_best_model)
+    _patch_save_checkpoint(trainer_cls)
+    _patch_train(trainer_cls)
 
     # FSDP1 sharded checkpoints: accelerate's load_fsdp_optimizer reads the saved state into the structure
     # of the current optimizer's FSDP.optim_state_dict, which is empty for an optimizer that has not
@@ -484,6 +697,126 @@ def _patch_checkpoints(trainer_cls: type) -> None:
         return original_load_optimizer(self, checkpoint)
 
     trainer_cls._load_optimizer_and_scheduler = _mark(_load_optimizer_and_scheduler)
+
+
+def _patch_save_checkpoint(trainer_cls: type) -> None:
+    """A GaLore checkpoint is complete before anything older is deleted.
+
+    transformers writes the model, optimizer, scheduler, RNG and trainer state, then rotates (deletes
+    checkpoints beyond ``save_total_limit``) inside ``_save_checkpoint``; ``on_save`` only comes after.
+    Here: a stale ``galore_state.pt`` in the target folder (left by an earlier run) is removed first;
+    rotation is held back during the Trainer's own writes; every file of the new checkpoint is
+    fsynced; ``galore_state.pt`` is written last and atomically (it marks the checkpoint complete,
+    :func:`checkpoint_is_complete`); only then does the Trainer's rotation run. A crash at any instant
+    leaves the previous complete checkpoint, or the new one complete.
+    """
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from .callback import GALORE_STATE_NAME, galore_model_of
+
+    original = trainer_cls._save_checkpoint
+
+    @functools.wraps(original)
+    def _save_checkpoint(self, model, trial, *args, **kwargs):
+        prepared = galore_model_of(self.model)
+        if prepared is None:
+            return original(self, model, trial, *args, **kwargs)
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        stale = os.path.join(folder, GALORE_STATE_NAME)
+        if self.args.should_save and os.path.exists(stale):
+            os.remove(stale)
+            _api.fsync_folder(folder)
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            original(self, model, trial, *args, **kwargs)
+        finally:
+            self.args.save_total_limit = limit
+        save_galore_state(self, prepared, folder)
+        if self.args.should_save and limit is not None and limit > 0:
+            _rotate(self, run_dir)
+
+    trainer_cls._save_checkpoint = _mark(_save_checkpoint)
+
+
+def save_galore_state(trainer: Any, prepared: nn.Module, folder: str) -> None:
+    """Gather (every rank) and write ``galore_state.pt`` of `trainer`'s current step into `folder`
+    (process zero), after fsyncing the checkpoint's other files."""
+    from .callback import GALORE_STATE_NAME
+    from .distributed import gathered_galore_state_dict
+
+    galore_state = gathered_galore_state_dict(prepared, root=trainer.model)  # collectives under ZeRO-3 / FSDP
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank's files of this checkpoint are written
+    trainer._galore_saved_step = trainer.state.global_step
+    if not trainer.args.should_save:
+        return
+    if not os.path.isdir(folder):
+        raise RuntimeError(f"GaLore: checkpoint folder {folder} was not written by the Trainer; cannot save GaLore state")
+    _fsync_tree(folder)
+    optim = _served_name(getattr(trainer.args, "optim", None))
+    _api.save_galore_checkpoint(
+        os.path.join(folder, GALORE_STATE_NAME), galore_state, prepared.galore_config,
+        global_step=trainer.state.global_step, optimizer_name=optim,
+    )
+
+
+def _fsync_tree(folder: str) -> None:
+    """Flush every file of a checkpoint to disk: the completeness marker written after them must not
+    reach the disk before they do (power loss). transformers itself does not fsync."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        _api.fsync_folder(root)
+
+
+def _rotate(trainer: Any, run_dir: str) -> None:
+    """The Trainer's own rotation (transformers 4.57: a method; 5.x: trainer_utils.rotate_checkpoints)."""
+    method = getattr(trainer, "_rotate_checkpoints", None)
+    if callable(method):
+        method(use_mtime=False, output_dir=run_dir)
+        return
+    from transformers import trainer as trainer_module
+
+    rotate = getattr(trainer_module, "rotate_checkpoints", None)
+    if rotate is None:
+        raise _internals_missing("transformers.trainer.rotate_checkpoints / Trainer._rotate_checkpoints")
+    rotate(
+        output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
+        best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True,
+    )
+
+
+def _patch_train(trainer_cls: type) -> None:
+    """``train(resume_from_checkpoint=True)`` of a GaLore model picks the newest complete checkpoint;
+    an explicit incomplete one is refused (:func:`_resolve_resume`)."""
+    from .callback import galore_model_of
+
+    original = trainer_cls.train
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def train(self, *args, **kwargs):
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            return original(self, *args, **kwargs)
+        resume = bound.arguments.get("resume_from_checkpoint")
+        if resume not in (None, False) and self.model is not None and galore_model_of(self.model) is not None:
+            bound.arguments["resume_from_checkpoint"] = _resolve_resume(self.args.output_dir, resume)
+        return original(*bound.args, **bound.kwargs)
+
+    trainer_cls.train = _mark(train)
 
 
 def _is_fsdp1(trainer: Any) -> bool:
@@ -507,7 +840,11 @@ def _patch_deepspeed_resume(trainer_module: Any) -> None:
         result = original(deepspeed_engine, checkpoint_path, *args, **kwargs)
         prepared = galore_model_of(deepspeed_engine.module)
         if prepared is not None:
-            load_gathered_galore_state_dict(prepared, _read_galore_state(checkpoint_path))  # every rank
+            from ..api import apply_mutable_changes
+
+            payload = _read_galore_state(checkpoint_path, prepared)
+            load_gathered_galore_state_dict(prepared, payload["state"])  # every rank
+            apply_mutable_changes(prepared, payload["changed"], where=f"checkpoint {checkpoint_path}")
         return result
 
     trainer_module.deepspeed_load_checkpoint = _mark(deepspeed_load_checkpoint)
@@ -521,13 +858,24 @@ def merged_view(model: nn.Module) -> Iterator[nn.Module]:
     ``modules_to_save`` copy for its own keys): they see a plain model; the GaLore layers (and
     everything they hold) are put back afterwards, untouched.
     """
+    with _merged_linears(model):
+        yield model
+
+
+@contextlib.contextmanager
+def _merged_linears(model: nn.Module) -> Iterator[dict[str, nn.Linear]]:
+    """:func:`merged_view`, yielding the plain layers put in place of the GaLore layers (by layer name)."""
     merged = hgp.merged_state_dict(model)
-    swapped = []
+    swapped, linears = [], {}
     for layer_name, layer in hgp.galore_layers(model):
-        linear = plain_linear(layer, merged[f"{layer_name}.weight"], requires_grad=False)
+        key = f"{layer_name}.weight"
+        for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+            key = key.replace(wrapper, "")
+        linear = plain_linear(layer, merged[key], requires_grad=False)
+        linears[layer_name] = linear
         swapped.append((*swap_submodule(model, layer_name, linear), layer))
     try:
-        yield model
+        yield linears
     finally:
         for parent, child, layer in swapped:
             setattr(parent, child, layer)

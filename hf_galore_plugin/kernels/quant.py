@@ -57,6 +57,9 @@ def _finish_stats(absmax, low, high, nonfinite, levels, ASYMMETRIC: tl.constexpr
     bad = nonfinite > 0
     if ASYMMETRIC:
         scale = tl.div_rn(high - low, levels.to(tl.float32))
+        # a block wider than the float32 range (same formulas as quant.functional)
+        wide = tl.div_rn(high, levels.to(tl.float32)) - tl.div_rn(low, levels.to(tl.float32))
+        scale = tl.where((scale - scale) == 0.0, scale, wide)
         zero = tl.where(bad, 0.0, low)
     else:
         scale = absmax
@@ -97,6 +100,7 @@ def _encode(x, u, mult, zero, table_ptr, levels, SCHEME: tl.constexpr, STOCHASTI
             v = x * mult[:, None]
         elif SCHEME == 1:
             v = (x - zero[:, None]) * mult[:, None]
+            v = tl.where((v - v) == 0.0, v, x * mult[:, None] - zero[:, None] * mult[:, None])
         else:
             v = x * mult[:, None] + 0.5 * levels
         if STOCHASTIC:
@@ -119,6 +123,8 @@ def _decode(code, scale, zero, table_ptr, levels, SCHEME: tl.constexpr):
         out = c * tl.div_rn(scale, levels.to(tl.float32))[:, None]
     elif SCHEME == 1:
         out = c * scale[:, None] + zero[:, None]
+        half = (c * (scale * 0.5)[:, None] + (zero * 0.5)[:, None]) * 2.0
+        out = tl.where(((out - out) == 0.0) | (scale != scale)[:, None], out, half)
     elif SCHEME == 2:
         out = (c * tl.div_rn(2.0, levels.to(tl.float32)) - 1.0) * scale[:, None]
     else:

@@ -25,6 +25,9 @@ uniform random numbers in [0, 1), one per element, made by the caller with a tor
 probability proportional to the distance from the lower one), so it is unbiased and the kernel
 and the twin give identical codes for the same random tensor.
 
+Finite input gives finite output in every scheme: an asymmetric block whose range exceeds the
+float32 maximum computes its step, codes and values in halves that cannot overflow.
+
 Non-finite input: a block holding a NaN or +-Inf gets a NaN scale and dequantizes to all NaN
 (no host synchronization is needed to detect it, and no finite garbage comes out).
 """
@@ -174,7 +177,10 @@ def blockwise_stats_torch(
     nonfinite = ~torch.isfinite(blocks).all(dim=1)
     if scheme == "asymmetric":
         low, high = blocks.amin(dim=1), blocks.amax(dim=1)
-        scales = (high - low) / float(code_levels(scheme, bits))
+        levels = float(code_levels(scheme, bits))
+        scales = (high - low) / levels
+        # A finite block whose range exceeds the float32 maximum: high - low overflows, each half does not.
+        scales = torch.where(torch.isfinite(scales), scales, high / levels - low / levels)
         zero_points = torch.where(nonfinite, 0.0, low)
     else:
         scales, zero_points = blocks.abs().amax(dim=1), None
@@ -208,7 +214,12 @@ def quantize_blockwise_torch(
     # A zero or NaN scale gives factor 0: such blocks encode every value as v = 0 (+ offset).
     factor = torch.where(scales > 0, torch.div(numerator, scales), 0.0)[:, None]
     # v: the value in code units (for nf4: normalized to [-1, 1], searched in the grid below)
-    v = (blocks - zero_points[:, None]) * factor if scheme == "asymmetric" else blocks * factor
+    if scheme == "asymmetric":
+        v = (blocks - zero_points[:, None]) * factor
+        # x - min overflows in a block wider than the float32 range; x*f - min*f does not
+        v = torch.where(torch.isfinite(v), v, blocks * factor - zero_points[:, None] * factor)
+    else:
+        v = blocks * factor
     if scheme == "uniform":
         v = v + 0.5 * levels
     u = None if randoms is None else _as_blocks(randoms, block_size)[0]
@@ -254,6 +265,9 @@ def dequantize_blockwise_torch(
         out = blocks * (scales / float(levels))[:, None]
     elif scheme == "asymmetric":
         out = blocks * scales[:, None] + zero_points[:, None]
+        # code * step can exceed the float32 maximum in a block wider than the float32 range: halve, add, double
+        half = (blocks * (scales * 0.5)[:, None] + (zero_points * 0.5)[:, None]) * 2.0
+        out = torch.where(torch.isfinite(out) | torch.isnan(scales)[:, None], out, half)
     elif scheme == "uniform":
         out = (blocks * (2.0 / levels) - 1.0) * scales[:, None]
     else:

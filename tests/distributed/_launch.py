@@ -42,13 +42,55 @@ def single_process_run(preset: str, proj_type: str, fake_step: str = "0", basis_
     return torch.load(out, weights_only=True)
 
 
-def assert_matches(single: dict, multi: dict) -> None:
+# Allowed per fold and weight matrix when W0 is INT8 with stochastic rounding (see assert_weights_match).
+CODE_FLIPS_PER_FOLD = 4
+
+
+def assert_weights_match(
+    got: torch.Tensor, expected: torch.Tensor, *, key: str, int8_folds: int = 0, group_size: int = 256
+) -> None:
+    """Merged weights of a multi-rank run against one process: within rtol=1e-4, atol=1e-5 (fp32 sums in
+    another order), except, when W0 is INT8 with stochastic rounding (``int8_folds`` = folds of the run),
+    at most ``CODE_FLIPS_PER_FOLD`` elements per fold that differ by at most one quantization step of their
+    W0 block: a last-bit difference of a folded value (two ranks reduce in another order than one process)
+    moves ``floor(v + u)`` across an integer when ``v + u`` lies within that bit of it, on any machine whose
+    reduction order differs. Which elements flip depends on the machine's summation order; how many can is
+    bounded by how rarely ``v + u`` lands that close to an integer."""
+    close = torch.isclose(got, expected, rtol=1e-4, atol=1e-5)
+    if int8_folds == 0 or bool(close.all()):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=key)
+        return
+    flat = expected.detach().float().reshape(-1)
+    pad = -flat.numel() % group_size
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, group_size)
+    step = (blocks.abs().amax(dim=1, keepdim=True) / 127.0).expand_as(blocks).reshape(-1)[: flat.numel()]
+    diff = (got.detach().float().reshape(-1) - flat).abs()
+    off = ~close.reshape(-1)
+    steps = diff[off] / step[off]
+    limit = CODE_FLIPS_PER_FOLD * int8_folds
+    count, worst = int(off.sum()), float(steps.max())
+    assert count <= limit and worst <= 1.05, (
+        f"{key}: {count} elements differ beyond rtol=1e-4/atol=1e-5 (allowed: {limit}, i.e. {CODE_FLIPS_PER_FOLD} "
+        f"per fold x {int8_folds} folds of the INT8 W0), the largest by {worst:.3f} quantization steps of its "
+        "block (allowed: 1)"
+    )
+
+
+def int8_folds(preset: str, single: dict) -> int:
+    """Folds into an INT8, stochastically rounded W0 in a run of `preset` (0 when W0 is not INT8)."""
+    from hf_galore_plugin import GaLoreConfig
+
+    config = GaLoreConfig.preset(preset)
+    return int(single["refreshes"]) if config.weight_storage == "int8" and config.stochastic_rounding else 0
+
+
+def assert_matches(single: dict, multi: dict, *, int8_folds: int = 0) -> None:
     assert single["refreshes"] == multi["refreshes"] >= 3  # calibration + refreshes at steps 10 and 20
     # fp32 sums in a different order (reduce-scatter / all-reduce of two halves vs one batch): measured
     # deviations are ~2e-7 relative on losses and weights; 1e-4 is the bound the issue sets.
     torch.testing.assert_close(torch.tensor(multi["losses"]), torch.tensor(single["losses"]), rtol=1e-4, atol=1e-6)
     assert single["weights"].keys() == multi["weights"].keys()
     for key, expected in single["weights"].items():
-        torch.testing.assert_close(multi["weights"][key], expected, rtol=1e-4, atol=1e-5, msg=key)
+        assert_weights_match(multi["weights"][key], expected, key=key, int8_folds=int8_folds)
     assert multi["multipliers"] == single["multipliers"]  # base weight decay applied on the same steps
     assert all(m < 1.0 for m in single["multipliers"].values())  # ... and applied at all

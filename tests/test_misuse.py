@@ -1,0 +1,253 @@
+"""Misuse that must not pass silently: a missing step driver, meta-device initialisation, config values
+that cannot train, stepping after merge_and_unload, tied weights, models GaLore cannot target."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hf_galore_plugin as hgp
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _torch_twins(monkeypatch):
+    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    kwargs = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                  intermediate_size=64, vocab_size=128, max_position_embeddings=32, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**kwargs))
+
+
+def token_data(n: int = 16) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 128, (n, 8), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def args(tmp_path, **overrides) -> TrainingArguments:
+    kwargs = dict(output_dir=str(tmp_path), optim="adamw_torch", max_steps=3, per_device_train_batch_size=4,
+                  learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def effective(model) -> dict[str, torch.Tensor]:
+    return {name: layer.effective_weight(torch.float32).clone() for name, layer in hgp.galore_layers(model)}
+
+
+# ---------------------------------------------------------------------- item 6: the step driver
+def test_plain_loop_without_after_step_warns_once_naming_the_fix():
+    model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
+    optimizer = hgp.create_optimizer(model, lr=1e-2)
+    batch = torch.randint(0, 128, (2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    messages = [str(w.message) for w in caught if "after_step" in str(w.message)]
+    assert len(messages) == 1 and "GaLoreCallback" in messages[0]
+
+
+def test_plain_loop_with_after_step_does_not_warn_and_trains():
+    model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
+    optimizer = hgp.create_optimizer(model, lr=1e-2)
+    before = effective(model)
+    batch = torch.randint(0, 128, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(3):
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            hgp.after_step(model, optimizer)
+            optimizer.zero_grad()
+    after = effective(model)
+    assert all(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_trainer_with_own_optimizer_gets_the_callback_and_trains(tmp_path):
+    model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4, update_proj_gap=2))
+    optimizer = hgp.create_optimizer(model, lr=1e-2)
+    before = effective(model)
+    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=token_data(), optimizers=(optimizer, None))
+    assert sum(isinstance(cb, GaLoreCallback) for cb in trainer.callback_handler.callbacks) == 1
+    trainer.train()
+    after = effective(model)
+    assert all(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_trainer_building_a_foreign_optimizer_for_a_galore_model_is_refused(tmp_path):
+    model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
+    with pytest.raises(ValueError, match=r"optim='adamw_torch' builds an optimizer that cannot train them.*galore_adamw"):
+        Trainer(model=model, args=args(tmp_path), train_dataset=token_data())
+
+
+# ---------------------------------------------------------------------- item 7: meta device
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _train(model, steps=6) -> list[float]:
+    optimizer = hgp.create_optimizer(model, lr=1e-2, weight_decay=0.1)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    losses = []
+    for _ in range(steps):
+        loss = (model(x) - x).square().mean()
+        loss.backward()
+        optimizer.step()
+        hgp.after_step(model, optimizer)
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_meta_device_prepare_then_load_trains_like_a_cpu_prepared_model():
+    config = hgp.GaLoreConfig(rank=4, update_proj_gap=2)
+    torch.manual_seed(0)
+    reference = _MLP()
+    weights = {k: v.clone() for k, v in reference.state_dict().items()}
+    expected = _train(hgp.prepare_model(reference, config))
+
+    with torch.device("meta"):
+        model = _MLP()
+    hgp.prepare_model(model, config)
+    model.to_empty(device="cpu")
+    # to_empty leaves whatever the allocator hands out: make that visibly wrong
+    for _, layer in hgp.galore_layers(model):
+        for buffer in layer.buffers():
+            buffer.fill_(7 if not buffer.is_floating_point() else 7.5)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("galore" in key or "base_multiplier" in key for key in missing)
+    got = _train(model)
+    assert all(math.isfinite(v) for v in got)
+    assert got == expected
+
+
+def test_reset_parameters_gives_a_new_layer_state():
+    config = hgp.GaLoreConfig(rank=4)
+    with torch.device("meta"):
+        model = _MLP()
+    hgp.prepare_model(model, config)
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    torch.manual_seed(0)
+    fresh = hgp.prepare_model(_MLP(), config)
+    for (_, layer), (_, new) in zip(hgp.galore_layers(model), hgp.galore_layers(fresh)):
+        state, expected = layer.state_dict(), new.state_dict()
+        for key in expected:
+            if key not in ("weight", "bias"):
+                torch.testing.assert_close(state[key], expected[key], rtol=0, atol=0, equal_nan=True, msg=key)
+        assert float(layer.weight.abs().max()) <= 1 / math.sqrt(layer.in_features)  # nn.Linear's init bound
+
+
+def test_meta_device_quantized_weight_is_refused():
+    with torch.device("meta"):
+        model = _MLP()
+    hgp.prepare_model(model, hgp.GaLoreConfig(rank=4, weight_storage="int8"))
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"prepared on the meta device with weight_storage='int8'"):
+        hgp.create_optimizer(model, lr=1e-3)
+
+
+# ---------------------------------------------------------------------- item 8: config values
+@pytest.mark.parametrize("field", ["scale", "cos_threshold", "lr_scale", "lr_recovery_fraction"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_non_finite_float_fields_are_refused(field, value):
+    with pytest.raises(ValueError, match=rf"GaLoreConfig.{field}=.* is invalid"):
+        hgp.GaLoreConfig(**{field: value})
+
+
+def test_scale_inf_through_optim_args_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"scale=inf is invalid: use a finite number"):
+        Trainer(model=tiny_llama(), args=args(tmp_path, optim="galore_adamw", optim_args="rank=4,scale=inf"),
+                train_dataset=token_data())
+
+
+@pytest.mark.parametrize("field", ["oversampling", "power_iterations", "seed", "max_proj_gap", "state_bits"])
+def test_int_fields_refuse_floats(field):
+    with pytest.raises(TypeError, match=rf"GaLoreConfig.{field} must be an int"):
+        hgp.GaLoreConfig(**{field: 8.5})
+
+
+# ---------------------------------------------------------------------- item 9: after merge_and_unload
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_step_after_merge_and_unload_says_what_happened(weight_decay):
+    model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
+    optimizer = hgp.create_optimizer(model, lr=1e-3, weight_decay=weight_decay)
+    batch = torch.randint(0, 128, (2, 8))
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    hgp.after_step(model, optimizer)
+    hgp.merge_and_unload(model)
+    model(input_ids=batch, labels=batch).loss.backward()
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) after merge_and_unload\(model\).*new optimizer"):
+        optimizer.step()
+
+
+# ---------------------------------------------------------------------- item 10: tied weights
+def test_explicitly_targeting_a_tied_head_is_refused():
+    model = tiny_llama(tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"'lm_head', whose weight is tied to 'model.embed_tokens'"):
+        hgp.prepare_model(model, hgp.GaLoreConfig(rank=4, target_modules=["lm_head", "q_proj"]))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_default_targets_skip_tied_linear_layers():
+    model = tiny_llama()
+    model.model.layers[0].mlp.up_proj.weight = model.model.layers[0].mlp.gate_proj.weight  # tied pair
+    hgp.prepare_model(model, hgp.GaLoreConfig(rank=4))
+    report = model.galore_report
+    assert report.skipped["model.layers.0.mlp.up_proj"].startswith("weight tied to")
+    assert model.model.layers[0].mlp.up_proj.weight is model.model.layers[0].mlp.gate_proj.weight
+
+
+# ---------------------------------------------------------------------- item 11: messages
+def test_gpt2_conv1d_message_names_the_real_reason():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
+    with pytest.raises(ValueError, match=r"transformers' Conv1D .*does not target") as info:
+        hgp.prepare_model(model, hgp.GaLoreConfig(rank=4))
+    assert "rank" not in str(info.value)
+
+
+def test_model_without_linear_layers_message():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Conv1d(8, 8, 1))
+    with pytest.raises(ValueError, match=r"has no nn.Linear module") as info:
+        hgp.prepare_model(model, hgp.GaLoreConfig(rank=4))
+    assert "rank" not in str(info.value)
+
+
+def test_lora_only_peft_model_message():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"LoRA-only peft model has nothing for GaLore to train.*modules_to_save") as info:
+        hgp.prepare_model(model, hgp.GaLoreConfig(rank=4))
+    assert "Lower `rank`" not in str(info.value)
+
+
+def test_rank_message_stays_for_small_layers():
+    with pytest.raises(ValueError, match=r"Lower `rank`"):
+        hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=64))
