@@ -182,7 +182,7 @@ def main(out: str) -> None:
         engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
         refresh_optimizer = None
         if galore:
-            from hf_galore_plugin.integrations.distributed import DeepSpeedGaLoreOptimizer
+            from hf_galore_plugin.engines.deepspeed import DeepSpeedGaLoreOptimizer
 
             refresh_optimizer = DeepSpeedGaLoreOptimizer(engine)
 

@@ -163,6 +163,23 @@ def iter_galore_layers_by_key(model: nn.Module):
         yield name, layer
 
 
+def galore_state_per_layer(
+    model: nn.Module, state: dict[str, torch.Tensor]
+) -> list[tuple[GaLoreLinear, dict[str, torch.Tensor]]]:
+    """(layer, its entries of `state` without the layer prefix) for every GaLore layer of `model`.
+
+    `state` is keyed as :func:`hf_galore_plugin.galore_state_dict` keys it; a key of no layer is a KeyError.
+    """
+    layers = dict(iter_galore_layers_by_key(model))
+    per_layer: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
+    for key, value in state.items():
+        name, _, sub = key.rpartition(".")
+        if name not in per_layer:
+            raise KeyError(f"GaLore state holds {key!r} but the model has no GaLore layer {name!r}")
+        per_layer[name][sub] = value
+    return [(layer, per_layer[name]) for name, layer in layers.items()]
+
+
 def swap_submodule(model: nn.Module, name: str, module: nn.Module) -> tuple[nn.Module, str]:
     """Put `module` at dotted path `name` of `model`; returns (parent, attribute) to undo it."""
     parent_name, _, child = name.rpartition(".")
