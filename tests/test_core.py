@@ -197,13 +197,16 @@ def test_basis_failure_keeps_old_basis_and_training_goes_on():
 
 def _fake_two_rank_run(monkeypatch, config, n_in, n_out, fake_world: bool):
     # A fake 2-rank world whose ranks hold identical gradients (all_reduce sums two equal copies).
+    import hf_galore_plugin.engines.collectives as collectives
     import hf_galore_plugin.layers as layers_module
 
     model = prepare_model(_single_linear(n_in, n_out), config)
     optimizer = create_optimizer(model, lr=1e-2)
     sent = []
     if fake_world:
+        # the layer decides sketches vs gradient with its world size; all_reduce_mean divides by it
         monkeypatch.setattr(layers_module, "_world_size", lambda: 2)
+        monkeypatch.setattr(collectives, "world_size", lambda: 2)
         monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: sent.append(tuple(t.shape)) or t.mul_(2))
     _train(model, optimizer, _batches(n_in, n_out, 5))
     monkeypatch.undo()
