@@ -20,7 +20,6 @@ Writes one JSON object to argv[1] from rank 0.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import json

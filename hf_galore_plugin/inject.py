@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
@@ -93,24 +92,24 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
         weight = module.weight
         numel = weight.numel()
 
-        def skip(reason: str) -> None:
+        reason = None
+        if _ADAPTER_NAME.search(name):
+            reason = "adapter layers (left to plain AdamW)"
+        elif not isinstance(weight, nn.Parameter) or not weight.requires_grad:
+            reason = "frozen"
+        elif not weight.is_floating_point() or type(weight) is not nn.Parameter:
+            reason = "quantized or non-standard weight"
+        elif explicit and not _matches(name, config.target_modules):
+            reason = "not in target_modules"
+        elif not explicit and _is_head(name, heads):
+            reason = "output head"
+        elif any(name == e or name.endswith("." + e) for e in excluded):
+            reason = "in exclude_modules"
+        elif not explicit and min(module.out_features, module.in_features) <= config.rank:
+            reason = f"smaller side <= rank {config.rank}"
+        if reason is not None:
             report.skipped[name] = reason
             report.skipped_params += numel
-
-        if _ADAPTER_NAME.search(name):
-            skip("adapter layers (left to plain AdamW)")
-        elif not isinstance(weight, nn.Parameter) or not weight.requires_grad:
-            skip("frozen")
-        elif not weight.is_floating_point() or type(weight) is not nn.Parameter:
-            skip("quantized or non-standard weight")
-        elif explicit and not _matches(name, config.target_modules):
-            skip("not in target_modules")
-        elif not explicit and _is_head(name, heads):
-            skip("output head")
-        elif any(name == e or name.endswith("." + e) for e in excluded):
-            skip("in exclude_modules")
-        elif not explicit and min(module.out_features, module.in_features) <= config.rank:
-            skip(f"smaller side <= rank {config.rank}")
         else:
             selected.append((name, module))
             report.targeted.append(name)

@@ -23,7 +23,6 @@ factor's optimizer state is reset so step 1 is Adam's first real step.
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from typing import Any, Optional
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import hf_galore_plugin.quant as hq
-from hf_galore_plugin.quant import functional
 
 CONFIGS = list(hq.SCHEME_BITS)
 SHAPES = [(1,), (100,), (4097,), (33, 65), (3, 5, 70)]

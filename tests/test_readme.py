@@ -4,7 +4,6 @@ The snippets use `model`, `train_dataset` and `loader` as a reader's own objects
 provides them: a Llama built from a config just large enough for the README's rank=128.
 """
 
-import os
 import re
 from pathlib import Path
 

@@ -39,12 +39,7 @@ class EngineCapabilities:
 
 
 _ZERO_REASON = "the moments of one factor are spread over ZeRO's flat partitions"
-_ZERO = dict(
-    master_copy=True,
-    project_moments="none",
-    exact_partial_reset=False,  # one step counter per flat group: moments reset, bias correction keeps running
-    project_reason=_ZERO_REASON,
-)
+
 
 CAPABILITIES: dict[str, EngineCapabilities] = {
     "single": EngineCapabilities(
@@ -90,19 +85,28 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
         label="DeepSpeed ZeRO-1",
         factor_layout="whole 2-D parameters; fp32 master and optimizer state in flat partitions",
         refresh_gather="none",
-        **_ZERO,
+        master_copy=True,
+        project_moments="none",
+        exact_partial_reset=False,  # one step counter per flat group: moments reset, bias correction runs on
+        project_reason=_ZERO_REASON,
     ),
     "zero2": EngineCapabilities(
         label="DeepSpeed ZeRO-2",
         factor_layout="whole 2-D parameters; fp32 master, gradients and optimizer state in flat partitions",
         refresh_gather="none",
-        **_ZERO,
+        master_copy=True,
+        project_moments="none",
+        exact_partial_reset=False,  # one step counter per flat group: moments reset, bias correction runs on
+        project_reason=_ZERO_REASON,
     ),
     "zero3": EngineCapabilities(
         label="DeepSpeed ZeRO-3",
         factor_layout="every parameter partitioned (empty placeholders with ds_shape)",
         refresh_gather="GatheredParameters((W0, B), modifier_rank=0), one layer at a time",
-        **_ZERO,
+        master_copy=True,
+        project_moments="none",
+        exact_partial_reset=False,
+        project_reason=_ZERO_REASON,
     ),
 }
 

@@ -6,22 +6,26 @@ the layers call them unconditionally. Functions marked *collective* must be reac
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
 import torch
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+_DTensor: Any
 try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor as _DTensor
+    from torch.distributed.tensor import distribute_tensor
 except ImportError:  # torch built without distributed support
-    DTensor = None  # type: ignore[assignment,misc]
-    distribute_tensor = None  # type: ignore[assignment]
+    _DTensor = None
 
 __all__ = ["is_dtensor", "local_shard", "full_tensor", "shard_like", "world_size", "all_reduce_mean"]
 
 
-def is_dtensor(t: Optional[torch.Tensor]) -> bool:
+def is_dtensor(t: Optional[torch.Tensor]) -> TypeGuard["DTensor"]:
     """Whether `t` is a DTensor (an FSDP2 / tensor-parallel shard); False without torch.distributed."""
-    return DTensor is not None and isinstance(t, DTensor)
+    return _DTensor is not None and isinstance(t, _DTensor)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ def is_zero3_partitioned(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def zero3_gathered(params: Iterable[torch.Tensor], *, modifier_rank: Optional[int] = None):
+def zero3_gathered(params: Iterable[Any], *, modifier_rank: Optional[int] = None):
     """Context in which the ZeRO-3 parameters among `params` are whole (a collective: every rank enters).
 
     With ``modifier_rank=0`` rank 0's values are partitioned again on exit (changes of the other

@@ -86,7 +86,8 @@ def had_gradient(param, units: dict[int, nn.Module]) -> bool:
     unit = units.get(id(param))
     if unit is None:
         return False
-    return getattr(unit._handle.flat_param, "grad", None) is not None
+    flat_param = unit._handle.flat_param  # type: ignore[union-attr]  # FSDP1's handle is untyped
+    return getattr(flat_param, "grad", None) is not None
 
 
 def check_fsdp1_layers(layers, units: dict[int, nn.Module]) -> set[int]:
