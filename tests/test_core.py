@@ -117,6 +117,7 @@ def test_matches_dense_reference_galore(proj_type, shape, moment_handling):
     m, n = shape
     config = GaLoreConfig(rank=4, proj_type=proj_type, update_proj_gap=3, scale=0.25, moment_handling=moment_handling)
     model = prepare_model(_single_linear(n, m), config)
+    initial = model[0].effective_weight().double().clone()
     reference = DenseGaLore(model[0].weight, config, lr=1e-2, weight_decay=0.1)
     optimizer = create_optimizer(model, lr=1e-2, weight_decay=0.1)
     steps = 13  # refreshes at 0 (calibration), 3, 6, 9, 12
@@ -129,8 +130,10 @@ def test_matches_dense_reference_galore(proj_type, shape, moment_handling):
     ours = model[0].effective_weight().double()
     rel = float((ours - reference.w).norm() / reference.w.norm())
     assert rel < 1e-5, f"relative deviation from the dense reference {rel:.2e}"
-    moved = float((reference.w - model[0].weight.double()).norm())  # sanity: training moved the weight
-    assert moved > 0
+    # The match above means something only if training moved the weight far more than the tolerance:
+    # 12 Adam steps of lr 1e-2 move it by ~10% of its norm.
+    moved = float((ours - initial).norm() / initial.norm())
+    assert moved > 1e-2, f"training moved the weight by {moved:.2e} of its norm only"
 
 
 def test_full_rank_basis_reproduces_torch_adamw():
