@@ -408,8 +408,9 @@ def test_resume_is_bit_exact(preset):
 
 
 def test_peft_modules_to_save_head_is_not_targeted():
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft
+    import transformers
+
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=16,

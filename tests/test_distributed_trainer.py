@@ -23,7 +23,7 @@ import torch
 
 from distributed._launch import run_one_process, run_two_ranks
 
-pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).parent / "distributed" / "trainer_galore.py"

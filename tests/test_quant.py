@@ -392,7 +392,8 @@ def test_error_feedback_cancels_accumulated_rounding():
 
 
 def test_bitsandbytes_nf4_oracle():
-    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    import bitsandbytes.functional as bnb_functional  # the oracle (dev extra)
+
     x = _randn((33, 129), torch.float32)
     packed, state = bnb_functional.quantize_4bit(x, blocksize=64, quant_type="nf4")
     ours = hq.quantize(x, scheme="nf4", bits=4, block_size=64)
@@ -407,7 +408,8 @@ def test_bitsandbytes_nf4_oracle():
 
 @pytest.mark.parametrize("scheme,add_zero", [("uniform", False), ("symmetric", True)])
 def test_bitsandbytes_linear_8bit_oracle(scheme, add_zero):
-    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    import bitsandbytes.functional as bnb_functional  # the oracle (dev extra)
+
     # bitsandbytes' linear map without an added zero is linspace(-1, 1, 256) (our uniform grid);
     # with it, the 255 points k/127 (our symmetric int8) plus a padding 0.
     code = bnb_functional.create_linear_map(signed=True, total_bits=8, add_zero=add_zero)
