@@ -9,9 +9,6 @@ public facade and no unit may import it.
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -191,14 +188,8 @@ def test_the_graph_reader_sees_lazy_and_relative_imports():
     assert ("", "quant", []) in EDGES
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, check=True
-    )
-
-
-def test_importing_quant_imports_no_optional_dependency():
-    out = _run(
+def test_importing_quant_imports_no_optional_dependency(python_subprocess):
+    out = python_subprocess(
         """
         import sys
         import hf_galore_plugin.quant
@@ -216,8 +207,8 @@ def test_importing_quant_imports_no_optional_dependency():
         "moving registration out of the root belongs to the transformers-integration rework (issue 14)"
     ),
 )
-def test_importing_quant_installs_no_import_hook():
-    out = _run(
+def test_importing_quant_installs_no_import_hook(python_subprocess):
+    out = python_subprocess(
         """
         import sys
         before = list(sys.meta_path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -364,15 +363,8 @@ def test_int8_base_and_int4_basis_are_small_and_close():
 
 
 # ---------------------------------------------------------------------------------------------- resume
-def _checkpoint(model, optimizer):
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 @pytest.mark.parametrize("preset", ["galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"])
-def test_resume_is_bit_exact(preset):
+def test_resume_is_bit_exact(preset, round_trip):
     config = GaLoreConfig.preset(preset, rank=8, update_proj_gap=3, lazy_window=1, max_proj_gap=12)
 
     def build():
@@ -395,7 +387,7 @@ def test_resume_is_bit_exact(preset):
 
     model, optimizer = build()
     run(model, optimizer, data[:10])
-    saved = _checkpoint(model, optimizer)
+    saved = round_trip({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     model, optimizer = build()
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
@@ -407,16 +399,15 @@ def test_resume_is_bit_exact(preset):
         assert torch.equal(resumed[key], uninterrupted[key]), key
 
 
-def test_peft_modules_to_save_head_is_not_targeted():
+def test_peft_modules_to_save_head_is_not_targeted(tiny_llama):
     import peft
-    import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    base = tiny_llama(
+        seed=None, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=16,
     )
     model = peft.get_peft_model(
-        transformers.LlamaForCausalLM(config),
+        base,
         peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head", "down_proj"]),
     )
     prepare_model(model, GaLoreConfig(rank=8))

@@ -9,10 +9,6 @@ otherwise route CPU tensors through the slow interpreter).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -231,7 +227,7 @@ def test_torch_save_load_weights_only_in_process(tmp_path):
     assert torch.equal(loaded["state"]["exp_avg"].dequantize(), qt.dequantize())
 
 
-def test_torch_load_weights_only_in_fresh_process(tmp_path):
+def test_torch_load_weights_only_in_fresh_process(tmp_path, python_subprocess):
     x = _randn((3, 4, 70), torch.bfloat16)
     alone = hq.quantize(x, scheme="nf4", bits=4, double_quant=True)
     module = torch.nn.Linear(4, 2)
@@ -239,7 +235,7 @@ def test_torch_load_weights_only_in_fresh_process(tmp_path):
     torch.save(alone, tmp_path / "alone.pt")
     torch.save(state_dict, tmp_path / "state.pt")
     torch.save({"alone": alone.dequantize(), "weight_q": state_dict["weight_q"].dequantize()}, tmp_path / "expected.pt")
-    script = textwrap.dedent(
+    result = python_subprocess(
         f"""
         import sys, torch
         import hf_galore_plugin.quant
@@ -251,11 +247,10 @@ def test_torch_load_weights_only_in_fresh_process(tmp_path):
         assert torch.equal(state["weight_q"].dequantize(), expected["weight_q"])
         assert set(state) == {{"weight", "bias", "weight_q"}}
         print("ok")
-        """
+        """,
+        env={"HF_GALORE_DISABLE_TRITON": "1"},
     )
-    env = dict(os.environ, HF_GALORE_DISABLE_TRITON="1")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert result.stdout.strip() == "ok"
 
 
 @pytest.mark.parametrize("scheme,bits", CONFIGS)
@@ -424,7 +419,6 @@ def test_bitsandbytes_linear_8bit_oracle(scheme, add_zero):
     assert bool((tie_distance[differ] < 2e-3).all()) and int(differ.sum()) < 20
 
 
-def test_import_does_not_import_triton():
-    script = "import sys, hf_galore_plugin.quant; print('triton' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+def test_import_does_not_import_triton(python_subprocess):
+    result = python_subprocess("import sys, hf_galore_plugin.quant; print('triton' in sys.modules)")
+    assert result.stdout.strip() == "False"
