@@ -22,7 +22,7 @@ from hf_galore_plugin.quant import functional  # noqa: E402
 from hf_galore_plugin.utils import use_triton  # noqa: E402
 
 if sys.platform != "linux":  # the one platform skip: Triton ships Linux wheels only (the [triton] extra)
-    pytest.skip("Triton kernels run on Linux only; elsewhere the torch twins run", allow_module_level=True)
+    pytest.skip("platform: Triton kernels run on Linux only; elsewhere the torch twins run", allow_module_level=True)
 import triton  # noqa: E402,F401
 
 from hf_galore_plugin.kernels import quant as kernels  # noqa: E402
