@@ -20,7 +20,6 @@ Writes one JSON object to argv[1] from rank 0.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import json
@@ -182,7 +181,7 @@ def main(out: str) -> None:
         engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
         refresh_optimizer = None
         if galore:
-            from hf_galore_plugin.integrations.distributed import DeepSpeedGaLoreOptimizer
+            from hf_galore_plugin.engines.deepspeed import DeepSpeedGaLoreOptimizer
 
             refresh_optimizer = DeepSpeedGaLoreOptimizer(engine)
 

@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import sys
 import time

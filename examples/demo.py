@@ -145,6 +145,9 @@ def wrap_lora(model):
     """LoRA as the GaLore paper's low-rank baseline: adapters on every attention and MLP linear layer;
     the embeddings, output head and norms are trained fully (a randomly initialised frozen embedding
     would make pre-training impossible)."""
+    from hf_galore_plugin.utils import require
+
+    require("peft", feature="the demo's LoRA baseline")
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(

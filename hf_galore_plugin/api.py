@@ -20,8 +20,12 @@ import torch
 from torch import nn
 
 from .config import GaLoreConfig
-from .inject import iter_galore_layers, iter_galore_layers_by_key, replace_targets, unload
-from .layers import GaLoreLinear, _is_dtensor
+from .engines.capabilities import check_moment_handling
+from .engines.collectives import is_dtensor
+from .engines.contract import gathers_parameters
+from .engines.fsdp1 import check_fsdp1_layers, fsdp1_units, group_by_unit, had_gradient, summon_unit
+from .inject import galore_state_per_layer, iter_galore_layers, iter_galore_layers_by_key, replace_targets, unload
+from .layers import GaLoreLinear
 
 __all__ = [
     "prepare_model",
@@ -113,8 +117,6 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
     partition, unused factors included; a step it skips on fp16 overflow never reaches this hook;
     ZeRO-3 must keep each GaLore group in one sub-group: its default ``sub_group_size`` of 1e9 does).
     """
-
-    from .integrations.fsdp1 import fsdp1_units, had_gradient
 
     steps = [0]
 
@@ -228,25 +230,19 @@ def create_optimizer(
         raise ValueError("model is not prepared: call prepare_model(model, config) first, or pass config")
     if not galore_layers(model):
         raise ValueError("model has no GaLore layers: call prepare_model(model, config) before create_optimizer")
-    from .integrations.fsdp1 import check_fsdp1_layers, fsdp1_units
-
     # FSDP1 (use_orig_params) and ZeRO-3 keep 1-D slices of the factor; their refreshes gather it
-    # (integrations.fsdp1, DeepSpeedGaLoreOptimizer). Anything else must hold the 2-D factor.
+    # (engines.fsdp1, DeepSpeedGaLoreOptimizer). Anything else must hold the 2-D factor.
     _initialise_materialised_layers(model)
     fsdp1_managed = check_fsdp1_layers(galore_layers(model), fsdp1_units(model))
     for name, layer in galore_layers(model):
         if id(layer) not in fsdp1_managed and not hasattr(layer.galore_factor, "ds_id"):
             layer._check_factor_layout()
-        if (
-            config.moment_handling == "project"
-            and layer.left_rank is not None
-            and not layer.left_identity
-            and _is_dtensor(layer.galore_factor)
-        ):
-            raise ValueError(
-                f"GaLore layer {name!r}: moment_handling='project' with a left basis is not supported on a "
-                "sharded (FSDP2) factor: the optimizer sees the factor's local rows only, and a left transport "
-                "mixes all rows. Use moment_handling='keep' (the default) or 'reset', or proj_type='right'."
+        if is_dtensor(layer.galore_factor):
+            check_moment_handling(
+                "fsdp2",
+                moment_handling=config.moment_handling,
+                left_basis=layer.left_rank is not None and not layer.left_identity,
+                layer=name,
             )
     if param_groups is None:
         param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
@@ -278,9 +274,7 @@ def after_step(
         layer._galore_driven = True
     stepped: dict[str, tuple[bool, Optional[float]]] = {}
     due_layers = [(name, layer) for name, layer in layers if layer.refresh_due]
-    if due_layers and not hasattr(optimizer, "gathered_parameters"):
-        from .integrations.fsdp1 import fsdp1_units, group_by_unit, summon_unit
-
+    if due_layers and not gathers_parameters(optimizer):
         units = fsdp1_units(root if root is not None else model)
         # FSDP1: W0 and the factor are 1-D shards; each unit with refreshing layers is gathered once
         # (a collective: the refresh schedule, a function of the shared counters, is the same on all ranks).
@@ -353,7 +347,7 @@ def galore_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_galore_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Restore what :func:`galore_state_dict` saved, exactly (strict: every layer, every key)."""
     layers = {id(layer): name for name, layer in iter_galore_layers_by_key(model)}
-    for layer, layer_state in _galore_state_per_layer(model, state):
+    for layer, layer_state in galore_state_per_layer(model, state):
         with torch.no_grad():
             try:
                 layer.load_state_dict(layer_state, strict=True)
@@ -376,23 +370,6 @@ def layer_state_mismatch(name: str, layer: GaLoreLinear, layer_state: dict[str, 
         f"saved with other GaLore settings (rank, proj_type, weight_storage or basis_storage; this layer has "
         f"{layer.extra_repr()}). Prepare the model with the settings the state was saved with."
     )
-
-
-def _galore_state_per_layer(
-    model: nn.Module, state: dict[str, torch.Tensor]
-) -> list[tuple[GaLoreLinear, dict[str, torch.Tensor]]]:
-    """(layer, its entries of `state` without the layer prefix) for every GaLore layer of `model`."""
-    layers = dict(iter_galore_layers_by_key(model))
-    per_layer: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
-    for key, value in state.items():
-        name, _, sub = key.rpartition(".")
-        if name not in per_layer:
-            raise KeyError(
-                f"GaLore state holds {key!r} but the model has no GaLore layer {name!r} (the state was saved "
-                "from a model with other target_modules / exclude_modules, or another architecture)"
-            )
-        per_layer[name][sub] = value
-    return [(layer, per_layer[name]) for name, layer in layers.items()]
 
 
 def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, float]:

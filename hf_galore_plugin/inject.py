@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
@@ -107,22 +106,19 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
         weight = module.weight
         numel = weight.numel()
 
-        def skip(reason: str) -> None:
-            report.skipped[name] = reason
-            report.skipped_params += numel
-
+        reason = None
         if _ADAPTER_NAME.search(name):
-            skip("adapter layers (left to plain AdamW)")
+            reason = "adapter layers (left to plain AdamW)"
         elif not isinstance(weight, nn.Parameter) or not weight.requires_grad:
-            skip("frozen")
+            reason = "frozen"
         elif not weight.is_floating_point() or type(weight) is not nn.Parameter:
-            skip("quantized or non-standard weight")
+            reason = "quantized or non-standard weight"
         elif explicit and not _matches(name, config.target_modules):
-            skip("not in target_modules")
+            reason = "not in target_modules"
         elif not explicit and _is_head(name, heads):
-            skip("output head")
+            reason = "output head"
         elif any(name == e or name.endswith("." + e) for e in excluded):
-            skip("in exclude_modules")
+            reason = "in exclude_modules"
         elif id(weight) in sharing and len(sharing[id(weight)]) > 1:
             others = [owner for owner in sharing[id(weight)] if owner != name]
             if explicit:
@@ -133,9 +129,12 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
                     "e.g. tie_word_embeddings=True): GaLore would untie them. Leave it out of target_modules, or "
                     "untie the model first (config.tie_word_embeddings=False and a separate copy of the weight)."
                 )
-            skip(f"weight tied to {others[0]}")
+            reason = f"weight tied to {others[0]}"
         elif not explicit and min(module.out_features, module.in_features) <= config.rank:
-            skip(f"smaller side <= rank {config.rank}")
+            reason = f"smaller side <= rank {config.rank}"
+        if reason is not None:
+            report.skipped[name] = reason
+            report.skipped_params += numel
         else:
             selected.append((name, module))
             report.targeted.append(name)
@@ -214,6 +213,23 @@ def iter_galore_layers_by_key(model: nn.Module):
         for wrapper in _WRAPPER_NAMES:
             name = name.replace(wrapper, "")
         yield name, layer
+
+
+def galore_state_per_layer(
+    model: nn.Module, state: dict[str, torch.Tensor]
+) -> list[tuple[GaLoreLinear, dict[str, torch.Tensor]]]:
+    """(layer, its entries of `state` without the layer prefix) for every GaLore layer of `model`.
+
+    `state` is keyed as :func:`hf_galore_plugin.galore_state_dict` keys it; a key of no layer is a KeyError.
+    """
+    layers = dict(iter_galore_layers_by_key(model))
+    per_layer: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
+    for key, value in state.items():
+        name, _, sub = key.rpartition(".")
+        if name not in per_layer:
+            raise KeyError(f"GaLore state holds {key!r} but the model has no GaLore layer {name!r}")
+        per_layer[name][sub] = value
+    return [(layer, per_layer[name]) for name, layer in layers.items()]
 
 
 def swap_submodule(model: nn.Module, name: str, module: nn.Module) -> tuple[nn.Module, str]:

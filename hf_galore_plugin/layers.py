@@ -22,7 +22,6 @@ factor's optimizer state is reset so step 1 is Adam's first real step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import warnings
@@ -33,6 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GaLoreConfig
+from .engines.capabilities import check_moment_handling
+from .engines.collectives import all_reduce_mean as _all_reduce_mean
+from .engines.collectives import full_tensor as _full_tensor
+from .engines.collectives import is_dtensor as _is_dtensor
+from .engines.collectives import local_shard as _local
+from .engines.collectives import world_size as _world_size
+from .engines.contract import gathered_parameters, param_changed
+from .engines.contract import reset_state as _reset_state
+from .engines.contract import transform_state as _transform_state
 from .projection import BasisError, compute_basis, resolve_sides, subspace_similarity, transport_matrix
 
 try:
@@ -398,7 +406,7 @@ class GaLoreLinear(nn.Module):
                 "holds it as a flat 1-D shard (FSDP1, or DeepSpeed ZeRO-3) and it was used outside a gather. "
                 "Pass the FSDP1-wrapped model to create_optimizer/after_step (they gather each refreshing "
                 "layer's unit) and merge inside FullyShardedDataParallel.summon_full_params(model); under ZeRO "
-                "use hf_galore_plugin.integrations.distributed.DeepSpeedGaLoreOptimizer."
+                "use hf_galore_plugin.engines.deepspeed.DeepSpeedGaLoreOptimizer."
             )
 
     # ------------------------------------------------------------------ forward
@@ -482,13 +490,12 @@ class GaLoreLinear(nn.Module):
     def refresh(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
         """Fold the factor into W0, compute the new basis from the recorded gradient, adapt the gap.
 
-        `optimizer` may be an engine adapter (hf_galore_plugin.integrations.distributed) that also
+        `optimizer` may be an engine adapter (hf_galore_plugin.engines.contract.EngineAdapter) that also
         provides ``gathered_parameters(layer)``: a context in which the layer's partitioned
         parameters are whole (DeepSpeed ZeRO-3) and after which changes are partitioned again.
         """
-        gather = getattr(optimizer, "gathered_parameters", None)
         try:
-            with gather(self) if gather is not None else contextlib.nullcontext():
+            with gathered_parameters(optimizer, self):
                 return self._refresh(optimizer)
         finally:
             self._update_refresh_due()
@@ -582,9 +589,8 @@ class GaLoreLinear(nn.Module):
             )
         self.base_multiplier.fill_(1.0)
         _local(self.galore_factor).zero_()
-        if optimizer is not None and hasattr(optimizer, "param_changed"):
-            # Engines that keep their own master copy of the factor (DeepSpeed ZeRO) reload it from the model.
-            optimizer.param_changed(self.galore_factor)
+        # Engines that keep their own master copy of the factor (DeepSpeed ZeRO) reload it from the model.
+        param_changed(optimizer, self.galore_factor)
 
     def _update_lazy_gap(self, similarity: float) -> None:
         # Q-GaLore (Zhang et al. 2024, Sec. 3.3): layers whose subspace stopped moving refresh less often.
@@ -603,12 +609,8 @@ class GaLoreLinear(nn.Module):
         # First moment: exact change of coordinates (it is a linear function of past projected
         # gradients). Second moment: no exact transport exists for an elementwise statistic; mapping it
         # with the squared transport matrix keeps it non-negative and exact for permutations/sign flips.
-        if "left" in new and _is_dtensor(self.galore_factor):
-            # The optimizer sees the factor's local rows only; a left transport mixes all rows.
-            raise NotImplementedError(
-                "moment_handling='project' with a left basis is not supported on a sharded (FSDP2) factor; "
-                "use moment_handling='keep' or 'reset', or proj_type='right'"
-            )
+        if _is_dtensor(self.galore_factor):
+            check_moment_handling("fsdp2", moment_handling="project", left_basis="left" in new)
         t_left = transport_matrix(old["left"], new["left"]) if "left" in new else None
         t_right = transport_matrix(old["right"], new["right"]) if "right" in new else None
 
@@ -654,55 +656,6 @@ class GaLoreLinear(nn.Module):
         self._pending_grad = None
 
 
-def _is_dtensor(t: Optional[torch.Tensor]) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the storage the engine owns), any other tensor itself."""
-    return t.to_local() if _is_dtensor(t) else t
-
-
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    # All-gathers a DTensor: a collective, so every rank of its mesh must reach this call.
-    return t.full_tensor() if _is_dtensor(t) else t
-
-
 def _relative_rms(approx: torch.Tensor, exact: torch.Tensor) -> float:
     denom = exact.square().mean().sqrt().clamp_min(1e-30)
     return float((approx - exact).square().mean().sqrt() / denom)
-
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
-
-
-def _all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
-    # Data-parallel ranks see different micro-batches; averaging makes every rank compute the same basis
-    # from the same global gradient (the one DDP/FSDP/ZeRO average for the parameters).
-    world = _world_size()
-    if world > 1:
-        torch.distributed.all_reduce(tensor)
-        tensor /= world
-    return tensor
-
-
-def _reset_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
-    if hasattr(optimizer, "reset_state"):
-        optimizer.reset_state(param)
-    else:
-        optimizer.state.pop(param, None)
-
-
-def _transform_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, fn) -> None:
-    if hasattr(optimizer, "transform_state"):
-        optimizer.transform_state(param, fn)
-        return
-    state = optimizer.state.get(param)
-    if not state or "exp_avg" not in state or "exp_avg_sq" not in state:
-        return
-    exp_avg, exp_avg_sq = fn(state["exp_avg"].float(), state["exp_avg_sq"].float())
-    state["exp_avg"].copy_(exp_avg)
-    state["exp_avg_sq"].copy_(exp_avg_sq)

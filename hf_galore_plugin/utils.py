@@ -11,13 +11,30 @@ import os
 
 import torch
 
-__all__ = ["is_triton_available", "use_triton", "is_package_available"]
+__all__ = ["is_triton_available", "use_triton", "is_package_available", "require", "EXTRAS"]
+
+# Optional dependency -> the extra of this package that installs it.
+EXTRAS = {"deepspeed": "deepspeed", "peft": "peft", "triton": "triton"}
 
 
 @functools.lru_cache(maxsize=None)
 def is_package_available(name: str) -> bool:
     """True when `name` can be imported (checked once, without importing it)."""
     return importlib.util.find_spec(name) is not None
+
+
+def require(name: str, *, feature: str) -> None:
+    """Raise an ImportError naming the extra to install when `feature` needs the missing package `name`.
+
+    Call it right before the lazy ``import name`` of a feature that cannot fall back to anything else.
+    """
+    if name not in EXTRAS:
+        raise ValueError(f"{name!r} is not an optional dependency of hf_galore_plugin; known: {sorted(EXTRAS)}")
+    if not is_package_available(name):
+        raise ImportError(
+            f"{feature} needs {name}, which is not installed: pip install 'hf-galore-plugin[{EXTRAS[name]}]' "
+            f"(from a clone: pip install '.[{EXTRAS[name]}]')"
+        )
 
 
 @functools.lru_cache(maxsize=None)

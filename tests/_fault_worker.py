@@ -27,12 +27,12 @@ import torch
 
 torch.set_num_threads(1)
 
-import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-from transformers import modeling_utils, trainer_callback
-from transformers import trainer as trainer_module
+import transformers  # noqa: E402  (after the thread count is set)
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import modeling_utils, trainer_callback  # noqa: E402
+from transformers import trainer as trainer_module  # noqa: E402
 
-import hf_galore_plugin as hgp  # noqa: F401  registers the optimizer names
+import hf_galore_plugin as hgp  # noqa: E402,F401  registers the optimizer names
 
 transformers.logging.set_verbosity_error()
 

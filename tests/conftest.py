@@ -15,3 +15,105 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_sessionstart(session):
     # Settings that change which optimizer a name selects must not leak into the suite from the shell.
     os.environ.pop("HF_GALORE_PLUGIN_NO_TAKEOVER", None)
+
+
+# ---------------------------------------------------------------------- shared helpers and fixtures
+import io  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from typing import Any, Optional  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The tiny Llama of the Trainer and engine tests; a test changes only what it needs (keyword overrides).
+TINY_LLAMA = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def build_tiny_llama(*, seed: Optional[int] = 0, **overrides: Any):
+    """A randomly initialized ``LlamaForCausalLM`` (``TINY_LLAMA`` with `overrides`), seeded with `seed`
+    right before the weights are drawn (None: the global generator as it is)."""
+    import transformers
+
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+    if seed is not None:
+        torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config)
+
+
+def run_python(code: str, *, env: Optional[dict] = None, timeout: int = 120, check: bool = True):
+    """Run `code` (dedented) in a fresh interpreter, offline; with `check`, a failure shows its stderr."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=timeout
+    )
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def torch_round_trip(obj: Any) -> Any:
+    """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)`` (what a checkpoint does to it)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.fixture
+def tiny_llama():
+    """:func:`build_tiny_llama`: ``tiny_llama(hidden_size=256, seed=1)``."""
+    return build_tiny_llama
+
+
+@pytest.fixture
+def python_subprocess():
+    """:func:`run_python`."""
+    return run_python
+
+
+@pytest.fixture
+def round_trip():
+    """:func:`torch_round_trip`."""
+    return torch_round_trip
+
+
+# ---------------------------------------------------------------------- skips in CI
+# With HF_GALORE_STRICT_SKIPS=1 (set by .ci/run) a skip fails the run unless its reason starts with
+# "platform:": a missing dependency or oracle must show up as a failure, not as a green skip.
+STRICT_SKIPS = os.environ.get("HF_GALORE_STRICT_SKIPS", "0") == "1"
+PLATFORM_SKIP = "platform:"
+
+
+def _undocumented_skip(report) -> Optional[str]:
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return None
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    return None if reason.startswith(PLATFORM_SKIP) else reason
+
+
+def _fail_undocumented_skip(report) -> None:
+    reason = _undocumented_skip(report) if STRICT_SKIPS else None
+    if reason is not None:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"skipped without a documented platform reason ({reason!r}); HF_GALORE_STRICT_SKIPS=1 turns such "
+            f"skips into failures: install what is missing, or start the reason with {PLATFORM_SKIP!r}"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_undocumented_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_undocumented_skip(outcome.get_result())

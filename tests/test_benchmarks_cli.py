@@ -85,7 +85,7 @@ def test_gpu_step_code_path_on_a_tiny_model(tmp_path):
     assert "| qgalore_adamw_8bit |" in table and "| galore_adamw | not run" in table
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="platform: checks the message on a machine without CUDA")
 def test_gpu_sh_without_cuda_says_so_and_fails(tmp_path):
     out = tmp_path / "gpu"
     proc = subprocess.run(["bash", "benchmarks/gpu.sh", str(out)], cwd=REPO, env=_env(), capture_output=True,

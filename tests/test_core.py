@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import math
-import warnings
 
 import pytest
 import torch
@@ -118,6 +116,7 @@ def test_matches_dense_reference_galore(proj_type, shape, moment_handling):
     m, n = shape
     config = GaLoreConfig(rank=4, proj_type=proj_type, update_proj_gap=3, scale=0.25, moment_handling=moment_handling)
     model = prepare_model(_single_linear(n, m), config)
+    initial = model[0].effective_weight().double().clone()
     reference = DenseGaLore(model[0].weight, config, lr=1e-2, weight_decay=0.1)
     optimizer = create_optimizer(model, lr=1e-2, weight_decay=0.1)
     steps = 13  # refreshes at 0 (calibration), 3, 6, 9, 12
@@ -130,8 +129,10 @@ def test_matches_dense_reference_galore(proj_type, shape, moment_handling):
     ours = model[0].effective_weight().double()
     rel = float((ours - reference.w).norm() / reference.w.norm())
     assert rel < 1e-5, f"relative deviation from the dense reference {rel:.2e}"
-    moved = float((reference.w - model[0].weight.double()).norm())  # sanity: training moved the weight
-    assert moved > 0
+    # The match above means something only if training moved the weight far more than the tolerance:
+    # 12 Adam steps of lr 1e-2 move it by ~10% of its norm.
+    moved = float((ours - initial).norm() / initial.norm())
+    assert moved > 1e-2, f"training moved the weight by {moved:.2e} of its norm only"
 
 
 def test_full_rank_basis_reproduces_torch_adamw():
@@ -197,13 +198,16 @@ def test_basis_failure_keeps_old_basis_and_training_goes_on():
 
 def _fake_two_rank_run(monkeypatch, config, n_in, n_out, fake_world: bool):
     # A fake 2-rank world whose ranks hold identical gradients (all_reduce sums two equal copies).
+    import hf_galore_plugin.engines.collectives as collectives
     import hf_galore_plugin.layers as layers_module
 
     model = prepare_model(_single_linear(n_in, n_out), config)
     optimizer = create_optimizer(model, lr=1e-2)
     sent = []
     if fake_world:
+        # the layer decides sketches vs gradient with its world size; all_reduce_mean divides by it
         monkeypatch.setattr(layers_module, "_world_size", lambda: 2)
+        monkeypatch.setattr(collectives, "world_size", lambda: 2)
         monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: sent.append(tuple(t.shape)) or t.mul_(2))
     _train(model, optimizer, _batches(n_in, n_out, 5))
     monkeypatch.undo()
@@ -359,15 +363,8 @@ def test_int8_base_and_int4_basis_are_small_and_close():
 
 
 # ---------------------------------------------------------------------------------------------- resume
-def _checkpoint(model, optimizer):
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 @pytest.mark.parametrize("preset", ["galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"])
-def test_resume_is_bit_exact(preset):
+def test_resume_is_bit_exact(preset, round_trip):
     config = GaLoreConfig.preset(preset, rank=8, update_proj_gap=3, lazy_window=1, max_proj_gap=12)
 
     def build():
@@ -390,7 +387,7 @@ def test_resume_is_bit_exact(preset):
 
     model, optimizer = build()
     run(model, optimizer, data[:10])
-    saved = _checkpoint(model, optimizer)
+    saved = round_trip({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     model, optimizer = build()
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
@@ -402,15 +399,15 @@ def test_resume_is_bit_exact(preset):
         assert torch.equal(resumed[key], uninterrupted[key]), key
 
 
-def test_peft_modules_to_save_head_is_not_targeted():
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+def test_peft_modules_to_save_head_is_not_targeted(tiny_llama):
+    import peft
+
+    base = tiny_llama(
+        seed=None, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=16,
     )
     model = peft.get_peft_model(
-        transformers.LlamaForCausalLM(config),
+        base,
         peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head", "down_proj"]),
     )
     prepare_model(model, GaLoreConfig(rank=8))

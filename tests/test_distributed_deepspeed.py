@@ -11,7 +11,7 @@ import torch
 
 from distributed._launch import assert_matches, int8_folds, run_two_ranks, single_process_run
 
-pytest.importorskip("deepspeed")
+import deepspeed  # noqa: E402,F401  (the [deepspeed] extra, which the dev extra installs)
 pytestmark = pytest.mark.distributed
 
 

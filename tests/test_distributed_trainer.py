@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import build_tiny_llama
 from distributed._launch import assert_weights_match, run_one_process, run_two_ranks
 
-pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).parent / "distributed" / "trainer_galore.py"
@@ -33,15 +34,8 @@ REFRESH_STEPS = [1, 9, 17]  # global_step after the refreshing steps 0, 8, 16
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
-        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False,
-    )
     folder = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
+    build_tiny_llama(seed=0).save_pretrained(folder)
     return folder
 
 

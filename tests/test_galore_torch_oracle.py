@@ -9,24 +9,13 @@ galore-torch also adds eps after sqrt(v) without bias correction; ours is torch 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-galore_torch = pytest.importorskip("galore_torch")
-transformers = pytest.importorskip("transformers")
+import galore_torch  # noqa: E402  (the oracle: scripts/env.sh installs it)
 
 from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, prepare_model  # noqa: E402
 
 STEPS, LOG_EVERY, WARMUP = 200, 10, 20
-
-
-def _tiny_llama():
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def _data():
@@ -47,10 +36,10 @@ def _curve(run_step):
     return [sum(losses[i : i + LOG_EVERY]) / LOG_EVERY for i in range(0, STEPS, LOG_EVERY)]
 
 
-def test_galore_adamw_tracks_galore_torch_within_2_percent():
+def test_galore_adamw_tracks_galore_torch_within_2_percent(tiny_llama):
     rank, gap, scale, lr = 16, 50, 0.25, 1e-2
 
-    theirs_model = _tiny_llama()
+    theirs_model = tiny_llama(vocab_size=96, intermediate_size=176)
     targets = [m.weight for n, m in theirs_model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
     others = [p for p in theirs_model.parameters() if all(p is not t for t in targets)]
     theirs_opt = galore_torch.GaLoreAdamW(
@@ -65,7 +54,7 @@ def test_galore_adamw_tracks_galore_torch_within_2_percent():
         theirs_opt.zero_grad()
         return loss.item()
 
-    ours_model = prepare_model(_tiny_llama(), GaLoreConfig.preset("galore_adamw", rank=rank, update_proj_gap=gap, scale=scale))
+    ours_model = prepare_model(tiny_llama(vocab_size=96, intermediate_size=176), GaLoreConfig.preset("galore_adamw", rank=rank, update_proj_gap=gap, scale=scale))
     assert len(galore_layers(ours_model)) == len(targets) == 14
     ours_opt = create_optimizer(ours_model, lr=lr, weight_decay=0.0)
 

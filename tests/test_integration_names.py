@@ -27,7 +27,6 @@ from hf_galore_plugin.integrations.optim_args import (
     target_modules_from_optim_target_modules,
 )
 
-transformers = pytest.importorskip("transformers")
 from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import check_target_module_exists  # noqa: E402
 from transformers.training_args import OptimizerNames  # noqa: E402

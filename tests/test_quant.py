@@ -9,16 +9,11 @@ otherwise route CPU tensors through the slow interpreter).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 import hf_galore_plugin.quant as hq
-from hf_galore_plugin.quant import functional
 
 CONFIGS = list(hq.SCHEME_BITS)
 SHAPES = [(1,), (100,), (4097,), (33, 65), (3, 5, 70)]
@@ -232,7 +227,7 @@ def test_torch_save_load_weights_only_in_process(tmp_path):
     assert torch.equal(loaded["state"]["exp_avg"].dequantize(), qt.dequantize())
 
 
-def test_torch_load_weights_only_in_fresh_process(tmp_path):
+def test_torch_load_weights_only_in_fresh_process(tmp_path, python_subprocess):
     x = _randn((3, 4, 70), torch.bfloat16)
     alone = hq.quantize(x, scheme="nf4", bits=4, double_quant=True)
     module = torch.nn.Linear(4, 2)
@@ -240,7 +235,7 @@ def test_torch_load_weights_only_in_fresh_process(tmp_path):
     torch.save(alone, tmp_path / "alone.pt")
     torch.save(state_dict, tmp_path / "state.pt")
     torch.save({"alone": alone.dequantize(), "weight_q": state_dict["weight_q"].dequantize()}, tmp_path / "expected.pt")
-    script = textwrap.dedent(
+    result = python_subprocess(
         f"""
         import sys, torch
         import hf_galore_plugin.quant
@@ -252,11 +247,10 @@ def test_torch_load_weights_only_in_fresh_process(tmp_path):
         assert torch.equal(state["weight_q"].dequantize(), expected["weight_q"])
         assert set(state) == {{"weight", "bias", "weight_q"}}
         print("ok")
-        """
+        """,
+        env={"HF_GALORE_DISABLE_TRITON": "1"},
     )
-    env = dict(os.environ, HF_GALORE_DISABLE_TRITON="1")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert result.stdout.strip() == "ok"
 
 
 @pytest.mark.parametrize("scheme,bits", CONFIGS)
@@ -393,7 +387,8 @@ def test_error_feedback_cancels_accumulated_rounding():
 
 
 def test_bitsandbytes_nf4_oracle():
-    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    import bitsandbytes.functional as bnb_functional  # the oracle (dev extra)
+
     x = _randn((33, 129), torch.float32)
     packed, state = bnb_functional.quantize_4bit(x, blocksize=64, quant_type="nf4")
     ours = hq.quantize(x, scheme="nf4", bits=4, block_size=64)
@@ -408,7 +403,8 @@ def test_bitsandbytes_nf4_oracle():
 
 @pytest.mark.parametrize("scheme,add_zero", [("uniform", False), ("symmetric", True)])
 def test_bitsandbytes_linear_8bit_oracle(scheme, add_zero):
-    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    import bitsandbytes.functional as bnb_functional  # the oracle (dev extra)
+
     # bitsandbytes' linear map without an added zero is linspace(-1, 1, 256) (our uniform grid);
     # with it, the 255 points k/127 (our symmetric int8) plus a padding 0.
     code = bnb_functional.create_linear_map(signed=True, total_bits=8, add_zero=add_zero)
@@ -423,10 +419,9 @@ def test_bitsandbytes_linear_8bit_oracle(scheme, add_zero):
     assert bool((tie_distance[differ] < 2e-3).all()) and int(differ.sum()) < 20
 
 
-def test_import_does_not_import_triton():
-    script = "import sys, hf_galore_plugin.quant; print('triton' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+def test_import_does_not_import_triton(python_subprocess):
+    result = python_subprocess("import sys, hf_galore_plugin.quant; print('triton' in sys.modules)")
+    assert result.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("scheme,bits", CONFIGS)

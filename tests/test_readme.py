@@ -4,14 +4,12 @@ The snippets use `model`, `train_dataset` and `loader` as a reader's own objects
 provides them: a Llama built from a config just large enough for the README's rank=128.
 """
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -20,16 +18,13 @@ def _python_blocks():
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def _namespace():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=32,
-    )
+def _namespace(tiny_llama):
     ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": row, "labels": row} for row in ids]
     return {
-        "model": transformers.LlamaForCausalLM(config),
+        "model": tiny_llama(
+            vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1, max_position_embeddings=32
+        ),
         "train_dataset": rows,
         "loader": [{"input_ids": ids[:4], "labels": ids[:4]}, {"input_ids": ids[4:], "labels": ids[4:]}],
     }
@@ -41,10 +36,10 @@ def test_readme_has_the_snippets_we_run():
 
 
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
-def test_readme_python_snippet_runs(index, tmp_path, monkeypatch):
+def test_readme_python_snippet_runs(index, tmp_path, monkeypatch, tiny_llama):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")  # torch twins: the interpreter would only be slow here
-    namespace = _namespace()
+    namespace = _namespace(tiny_llama)
     before = {n: p.detach().clone() for n, p in namespace["model"].named_parameters()}
     exec(compile(_python_blocks()[index], f"README.md[python block {index}]", "exec"), namespace)
     after = dict(namespace["model"].named_parameters())

@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_galore_plugin.quant.functional import code_dtype, code_levels, nibble_offset, packed_numel
-from hf_galore_plugin.quant.grids import grid_table
+from ..codes import code_dtype, code_levels, grid_table, nibble_offset, packed_numel
 
 __all__ = ["blockwise_stats_triton", "quantize_blockwise_triton", "dequantize_blockwise_triton"]
 

@@ -6,6 +6,7 @@ a Triton kernel on CUDA (and on CPU under TRITON_INTERPRET=1) and their torch tw
 Importing this package does not import triton.
 """
 
+from ..codes import NF4_VALUES, nf4_values, uniform_values
 from .error_feedback import quantize_with_error_feedback
 from .functional import (
     SCHEME_BITS,
@@ -17,7 +18,6 @@ from .functional import (
     quantize_blockwise_torch,
     unpack_int4,
 )
-from .grids import NF4_VALUES, nf4_values, uniform_values
 from .ops import blockwise_stats, dequantize_blockwise, quantize_blockwise
 from .tensor import QuantizedTensor, dequantize, quantize, rebuild_quantized_tensor
 

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from .grids import grid_table
+from ..codes import code_dtype, code_levels, grid_table, nibble_offset, packed_numel
 
 __all__ = [
     "SCHEMES",
@@ -96,24 +96,6 @@ def check_float_tensor(x: torch.Tensor, *, name: str = "x") -> None:
             f"{name} has dtype {x.dtype}; quantization takes float32, bfloat16 or float16 input"
             f" (cast it first, e.g. {name}.float())"
         )
-
-
-def code_dtype(scheme: str, bits: int) -> torch.dtype:
-    return torch.int8 if scheme == "symmetric" and bits == 8 else torch.uint8
-
-
-def packed_numel(numel: int, bits: int) -> int:
-    """Number of stored code elements for `numel` values."""
-    return (numel + 1) // 2 if bits == 4 else numel
-
-
-def code_levels(scheme: str, bits: int) -> int:
-    """Largest code magnitude: qmax for symmetric, number of steps otherwise."""
-    return 2 ** (bits - 1) - 1 if scheme == "symmetric" else 2**bits - 1
-
-
-def nibble_offset(scheme: str, bits: int) -> int:
-    return 8 if scheme == "symmetric" and bits == 4 else 0
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

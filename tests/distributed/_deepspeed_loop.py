@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_galore_plugin import after_step, create_optimizer, merged_state_dict
-from hf_galore_plugin.integrations.distributed import DeepSpeedGaLoreOptimizer
+from hf_galore_plugin.engines.deepspeed import DeepSpeedGaLoreOptimizer
 
 from sharded_galore import ACCUMULATION, GLOBAL_BATCH, LR, WEIGHT_DECAY, check_bases_identical
 

@@ -27,7 +27,7 @@ import yaml
 
 import hf_galore_plugin as hgp
 from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME
-from hf_galore_plugin.integrations.distributed import is_zero3_partitioned
+from hf_galore_plugin.engines.deepspeed import is_zero3_partitioned
 
 ENGINE = os.environ["ENGINE"]
 PRESET = os.environ.get("PRESET", "galore_adamw")

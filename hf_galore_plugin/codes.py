@@ -1,4 +1,9 @@
-"""Code books of the grid schemes: the NF4 normal-float values and the uniform grid.
+"""The storage layout of quantized codes, shared by the torch twins (:mod:`hf_galore_plugin.quant`)
+and the Triton kernels (:mod:`hf_galore_plugin.kernels`): code dtypes, code levels, 4-bit packing,
+and the code books of the grid schemes (the NF4 normal-float values and the uniform grid).
+
+It imports nothing from the package, so the kernels and the quantization library both build on it
+without importing each other.
 
 NF4 (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs", section 3 and
 appendix E): 8 positive and 7 negative quantiles of N(0, 1), normalized to [-1, 1], plus an
@@ -13,7 +18,16 @@ import functools
 
 import torch
 
-__all__ = ["NF4_VALUES", "nf4_values", "uniform_values", "grid_table"]
+__all__ = [
+    "NF4_VALUES",
+    "nf4_values",
+    "uniform_values",
+    "grid_table",
+    "code_dtype",
+    "packed_numel",
+    "code_levels",
+    "nibble_offset",
+]
 
 _NF4_OFFSET = 1.0 - 0.5 * (1.0 / 32.0 + 1.0 / 30.0)
 
@@ -45,3 +59,21 @@ def grid_table(device: torch.device) -> torch.Tensor:
     """
     midpoints = (NF4_VALUES[1:] + NF4_VALUES[:-1]) * 0.5
     return torch.cat([NF4_VALUES, midpoints]).to(device)
+
+
+def code_dtype(scheme: str, bits: int) -> torch.dtype:
+    return torch.int8 if scheme == "symmetric" and bits == 8 else torch.uint8
+
+
+def packed_numel(numel: int, bits: int) -> int:
+    """Number of stored code elements for `numel` values."""
+    return (numel + 1) // 2 if bits == 4 else numel
+
+
+def code_levels(scheme: str, bits: int) -> int:
+    """Largest code magnitude: qmax for symmetric, number of steps otherwise."""
+    return 2 ** (bits - 1) - 1 if scheme == "symmetric" else 2**bits - 1
+
+
+def nibble_offset(scheme: str, bits: int) -> int:
+    return 8 if scheme == "symmetric" and bits == 4 else 0

@@ -1,0 +1,25 @@
+"""Engines: how GaLore layers run under each parallel engine, below the public API.
+
+- :mod:`.contract`: what a refresh needs from the optimizer and from the engine (``typing.Protocol``\\ s,
+  and the functions that apply them with their defaults); the layers depend on this, not on an engine.
+- :mod:`.capabilities`: what each engine (single process, DDP, FSDP1, FSDP2, ZeRO-1/2/3) supports, and
+  the one place that refuses what it does not.
+- :mod:`.collectives`: DTensor and ``torch.distributed`` helpers.
+- :mod:`.fsdp1`: FSDP1 (``use_orig_params=True``) unit lookup and gathering.
+- :mod:`.deepspeed`: the DeepSpeed ZeRO adapter (needs the ``[deepspeed]`` extra).
+
+Nothing here imports the layers, the API or the integrations.
+"""
+
+from .capabilities import CAPABILITIES, ENGINES, EngineCapabilities, UnsupportedByEngine, check_moment_handling
+from .contract import EngineAdapter, StateOptimizer
+
+__all__ = [
+    "CAPABILITIES",
+    "ENGINES",
+    "EngineCapabilities",
+    "UnsupportedByEngine",
+    "check_moment_handling",
+    "EngineAdapter",
+    "StateOptimizer",
+]

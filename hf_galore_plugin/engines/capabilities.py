@@ -1,0 +1,132 @@
+"""What each engine can do with GaLore layers, and the one place that refuses what it cannot.
+
+The table is the reference for the README's engine section and for every refusal: a check names
+the engine, and the error text comes from the engine's row, so one limitation reads the same
+wherever it is caught (at ``create_optimizer``, at an engine adapter's construction, or at a refresh).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+__all__ = ["ENGINES", "EngineCapabilities", "CAPABILITIES", "UnsupportedByEngine", "check_moment_handling"]
+
+ENGINES = ("single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3")
+
+
+class UnsupportedByEngine(NotImplementedError, ValueError):
+    """A GaLore setting the engine cannot run. Both a ValueError (a bad configuration) and a
+    NotImplementedError (a limitation of this package), so either ``except`` catches it."""
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    label: str
+    # How the optimizer sees W0 and the factor B.
+    factor_layout: str
+    # How a refresh (fold B into W0, zero B) gets whole tensors.
+    refresh_gather: str
+    # The engine keeps its own fp32 master copy of B: a refresh must tell it (EngineAdapter.param_changed).
+    master_copy: bool
+    # moment_handling='project': "all" layouts, "right" basis only, or "none".
+    project_moments: Literal["all", "right", "none"]
+    # Resetting the state of some factors of a parameter group restarts exactly what one process would.
+    exact_partial_reset: bool
+    # Why 'project' is limited, and what to use instead (empty where it is not limited).
+    project_reason: str = ""
+    project_alternative: str = ""
+
+
+_ZERO_REASON = "the moments of one factor are spread over ZeRO's flat partitions"
+
+
+CAPABILITIES: dict[str, EngineCapabilities] = {
+    "single": EngineCapabilities(
+        label="a single process",
+        factor_layout="whole 2-D tensors",
+        refresh_gather="none",
+        master_copy=False,
+        project_moments="all",
+        exact_partial_reset=True,
+    ),
+    "ddp": EngineCapabilities(
+        label="DDP",
+        factor_layout="whole 2-D tensors, replicated",
+        refresh_gather="none (the recorded gradient or the range finder's sketches are all-reduced)",
+        master_copy=False,
+        project_moments="all",
+        exact_partial_reset=True,
+    ),
+    "fsdp1": EngineCapabilities(
+        label="FSDP1",
+        factor_layout="1-D views into each rank's slice of a flat parameter (use_orig_params=True)",
+        refresh_gather="summon_full_params(unit, recurse=False, writeback=True), once per unit",
+        master_copy=False,
+        project_moments="none",
+        exact_partial_reset=True,
+        project_reason=(
+            "it transports the Adam moments with a 2-D change of coordinates, but FSDP1 keeps them as "
+            "1-D slices of a flat shard"
+        ),
+        project_alternative="FSDP2 (fully_shard / accelerate fsdp_version: 2)",
+    ),
+    "fsdp2": EngineCapabilities(
+        label="FSDP2",
+        factor_layout="2-D DTensors sharded by rows (Shard(0))",
+        refresh_gather="full_tensor() of the factor where a left basis needs it; a right-basis fold is local",
+        master_copy=False,
+        project_moments="right",
+        exact_partial_reset=True,
+        project_reason="the optimizer sees the factor's local rows only, and a left-basis transport mixes all rows",
+        project_alternative="proj_type='right'",
+    ),
+    "zero1": EngineCapabilities(
+        label="DeepSpeed ZeRO-1",
+        factor_layout="whole 2-D parameters; fp32 master and optimizer state in flat partitions",
+        refresh_gather="none",
+        master_copy=True,
+        project_moments="none",
+        exact_partial_reset=False,  # one step counter per flat group: moments reset, bias correction runs on
+        project_reason=_ZERO_REASON,
+    ),
+    "zero2": EngineCapabilities(
+        label="DeepSpeed ZeRO-2",
+        factor_layout="whole 2-D parameters; fp32 master, gradients and optimizer state in flat partitions",
+        refresh_gather="none",
+        master_copy=True,
+        project_moments="none",
+        exact_partial_reset=False,  # one step counter per flat group: moments reset, bias correction runs on
+        project_reason=_ZERO_REASON,
+    ),
+    "zero3": EngineCapabilities(
+        label="DeepSpeed ZeRO-3",
+        factor_layout="every parameter partitioned (empty placeholders with ds_shape)",
+        refresh_gather="GatheredParameters((W0, B), modifier_rank=0), one layer at a time",
+        master_copy=True,
+        project_moments="none",
+        exact_partial_reset=False,
+        project_reason=_ZERO_REASON,
+    ),
+}
+
+
+def check_moment_handling(
+    engine: str, *, moment_handling: str, left_basis: bool = True, layer: Optional[str] = None
+) -> None:
+    """Raise :class:`UnsupportedByEngine` when `engine` cannot run `moment_handling` for a layer
+    (`left_basis`: the layer has a non-identity left basis)."""
+    if engine not in CAPABILITIES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    caps = CAPABILITIES[engine]
+    if moment_handling != "project" or caps.project_moments == "all":
+        return
+    if caps.project_moments == "right" and not left_basis:
+        return
+    subject = f"GaLore layer {layer!r}" if layer is not None else "GaLore"
+    scope = " with a left basis" if caps.project_moments == "right" else ""
+    alternative = f", or {caps.project_alternative}" if caps.project_alternative else ""
+    raise UnsupportedByEngine(
+        f"{subject}: moment_handling='project'{scope} is not supported under {caps.label}: {caps.project_reason}. "
+        f"Use moment_handling='keep' (the default) or 'reset'{alternative}."
+    )

@@ -1,0 +1,165 @@
+"""DeepSpeed ZeRO as a GaLore engine: the adapter a refresh talks to, and ZeRO-3 gathering.
+
+A refresh folds the factor B into W0 and restarts B at zero. ZeRO keeps its own fp32 master
+partition of every trainable parameter and copies it back into the model after each step, so a
+zeroed B in the model alone would be overwritten by the stale master (the fold would then count
+B twice). :class:`DeepSpeedGaLoreOptimizer` is what the layers talk to instead of the bare
+optimizer (an :class:`~hf_galore_plugin.engines.contract.EngineAdapter`): it writes the folded
+factor into the master copy and resets optimizer state on ZeRO's flat partitions.
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=create_optimizer(model, lr=...), config=...)
+    galore_optimizer = DeepSpeedGaLoreOptimizer(engine)
+    ...
+    engine.backward(loss); engine.step()
+    if <gradient-accumulation boundary>:
+        after_step(model, galore_optimizer)
+
+Needs the ``[deepspeed]`` extra; nothing here imports deepspeed before a ZeRO parameter or engine is
+in hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..utils import require
+from .capabilities import check_moment_handling
+
+__all__ = ["DeepSpeedGaLoreOptimizer", "is_zero3_partitioned", "zero3_gathered", "import_deepspeed"]
+
+
+def import_deepspeed(feature: str):
+    """``import deepspeed``, or an ImportError naming the ``[deepspeed]`` extra that `feature` needs."""
+    require("deepspeed", feature=feature)
+    import deepspeed
+
+    return deepspeed
+
+
+def is_zero3_partitioned(module: nn.Module) -> bool:
+    """True when DeepSpeed ZeRO-3 manages `module`'s parameters (``ds_id`` is set by zero.Init / the engine)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def zero3_gathered(params: Iterable[Any], *, modifier_rank: Optional[int] = None):
+    """Context in which the ZeRO-3 parameters among `params` are whole (a collective: every rank enters).
+
+    With ``modifier_rank=0`` rank 0's values are partitioned again on exit (changes of the other
+    ranks are dropped); with None every change is dropped. A no-op for parameters ZeRO-3 does not own.
+    """
+    partitioned = [p for p in params if p is not None and hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    deepspeed = import_deepspeed("gathering ZeRO-3 parameters")
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank)
+
+
+class DeepSpeedGaLoreOptimizer:
+    """The optimizer protocol GaLore layers use (``param_changed``, ``reset_state``), for a DeepSpeed engine.
+
+    Supported: ZeRO stages 1, 2 and 3, fp32 / bf16 / fp16 (the master copy is updated with
+    ``deepspeed.utils.safe_set_full_fp32_param``). ZeRO-3 partitions W0 and B themselves: a refresh
+    gathers the two parameters of that one layer (``gathered_parameters``) and partitions them again.
+
+    Optimizer-state resets (the calibration refresh, ``moment_handling='reset'``) are applied just
+    before the engine's next optimizer step. ZeRO steps a whole group as one flat partition with
+    one step counter: when every factor of a group is reset together (the calibration step of all
+    layers) the whole state restarts exactly as in one process; when only some are, their fp32
+    moments are zeroed and the shared step counter (Adam's bias correction) keeps running.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.zero_stage = engine.zero_optimization_stage()
+        if self.zero_stage not in (1, 2, 3):
+            raise NotImplementedError(
+                f"DeepSpeedGaLoreOptimizer needs ZeRO stage 1, 2 or 3 (got {self.zero_stage}); without ZeRO pass "
+                "the engine's optimizer to after_step directly"
+            )
+        model = engine.module
+        config = getattr(model, "galore_config", None)
+        if config is None:
+            raise ValueError("the engine's model has no GaLore layers: call prepare_model(model, config) first")
+        check_moment_handling(f"zero{self.zero_stage}", moment_handling=config.moment_handling)
+        self.engine = engine
+        self.model = model
+        self.zero_optimizer = engine.optimizer
+        self.optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the client optimizer
+        self._pending_resets: set[int] = set()
+        self._warned_partial = False
+        self.optimizer.register_step_pre_hook(self._apply_pending_resets)
+
+    # ------------------------------------------------------------------ EngineAdapter / StateOptimizer (engines.contract)
+    def gathered_parameters(self, layer: torch.nn.Module):
+        """Context in which `layer`'s parameters are whole on every rank (ZeRO-3); rank 0's result is kept."""
+        # Every rank computes the same fold from the same all-reduced gradient; modifier_rank=0 makes
+        # DeepSpeed re-partition rank 0's copy on exit.
+        return zero3_gathered((layer.weight, layer.galore_factor), modifier_rank=0)
+
+    def param_changed(self, param: torch.Tensor) -> None:
+        """The layer changed `param` in the model (in place): make the engine's fp32 master follow."""
+        safe_set_full_fp32_param = import_deepspeed("DeepSpeedGaLoreOptimizer").utils.safe_set_full_fp32_param
+
+        safe_set_full_fp32_param(param, param.detach().float())
+
+    def reset_state(self, param: torch.Tensor) -> None:
+        """Forget `param`'s optimizer state, at the engine's next optimizer step."""
+        self._pending_resets.add(id(param))
+
+    # ------------------------------------------------------------------ internals
+    def _apply_pending_resets(self, optimizer, args, kwargs) -> None:
+        # ZeRO steps the client optimizer one group at a time (ZeRO-1/2: param_groups holds just that
+        # group; ZeRO-3: the other groups' "params" are empty), so resets apply when their group steps.
+        if not self._pending_resets:
+            return
+        for group in optimizer.param_groups:
+            names = group.get("galore_layers")
+            if not group.get("galore") or not names or not group["params"]:
+                continue
+            # "galore_layers" holds the module names of the group's layers (api.galore_param_groups).
+            factors = [self.model.get_submodule(n).galore_factor for n in names]
+            pending = [f for f in factors if id(f) in self._pending_resets]
+            if not pending:
+                continue
+            if len(pending) == len(names):
+                for flat in group["params"]:
+                    _zero_state(optimizer.state.get(flat))
+            else:
+                for param in pending:
+                    self._zero_moments_of(param)
+            for param in pending:
+                self._pending_resets.discard(id(param))
+
+    def _zero_moments_of(self, param: torch.Tensor) -> None:
+        utils = import_deepspeed("DeepSpeedGaLoreOptimizer").utils
+        safe_get_full_optimizer_state, safe_set_full_optimizer_state = (
+            utils.safe_get_full_optimizer_state,
+            utils.safe_set_full_optimizer_state,
+        )
+
+        if not self._warned_partial:
+            warnings.warn(
+                "GaLore under ZeRO: resetting the moments of some factors of a parameter group; the group's "
+                "shared step counter (Adam bias correction) is not reset",
+                stacklevel=2,
+            )
+            self._warned_partial = True
+        for key in ("exp_avg", "exp_avg_sq"):
+            if safe_get_full_optimizer_state(param, key) is None:
+                raise NotImplementedError(
+                    f"cannot reset the 8-bit optimizer state of one factor inside a ZeRO flat partition (no {key!r}); "
+                    "use state_bits=32, or moment_handling='keep' with all layers calibrated at the first step"
+                )
+            safe_set_full_optimizer_state(param, torch.zeros(param.shape, dtype=torch.float32), key)
+
+
+def _zero_state(state: dict[str, Any] | None) -> None:
+    # In place, not a fresh dict: DeepSpeed links views of these tensors (hp fragments) for its
+    # checkpoints. All-zero state (step 0, zero moments / zero codes and scales) is AdamW's fresh state.
+    for value in (state or {}).values():
+        if isinstance(value, torch.Tensor):
+            value.zero_()

@@ -1,0 +1,101 @@
+"""GaLore layers under FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``).
+
+FSDP1 concatenates a unit's parameters into one flat tensor and keeps 1/world of it per rank; with
+``use_orig_params=True`` each original parameter (W0, the factor B, the bias) stays a Parameter whose
+data is a 1-D view of its elements in the local shard (possibly empty). The optimizer steps those views
+elementwise, which is all AdamW (fp32 or 8-bit) needs. A refresh needs the 2-D tensors (fold B into
+W0, zero B): :func:`hf_galore_plugin.after_step` refreshes inside
+``summon_full_params(unit, recurse=False, writeback=True)`` of the unit whose flat parameter holds the
+layer, in which W0 and B are whole and after which each rank keeps its slice of what changed. The
+refreshing layers are grouped by unit (:func:`group_by_unit`): one all-gather per unit, however many
+GaLore layers it holds (~7 per decoder layer), once per gap. The Adam moments stay 1-D shards, so
+``moment_handling='project'`` (a 2-D change of coordinates) is refused before the first step
+(:mod:`hf_galore_plugin.engines.capabilities`).
+
+:func:`hf_galore_plugin.after_step` and :func:`hf_galore_plugin.create_optimizer` find FSDP1 units in
+the model they are given and use this module on their own; nothing changes in a training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from torch import nn
+
+from .capabilities import check_moment_handling
+
+__all__ = ["fsdp1_units", "summon_unit", "group_by_unit", "had_gradient", "check_fsdp1_layers"]
+
+
+def fsdp1_units(model: nn.Module) -> dict[int, nn.Module]:
+    """``id(original parameter)`` -> the FSDP1 unit whose flat parameter holds it; empty without FSDP1.
+
+    Raises ValueError for FSDP1 without ``use_orig_params=True`` (the layers' own parameters are gone then).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units: dict[int, nn.Module] = {}
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
+        if flat is None:
+            continue
+        originals = getattr(flat, "_params", None)
+        if originals is None:
+            raise ValueError(
+                "GaLore under FSDP1 needs FullyShardedDataParallel(use_orig_params=True) (accelerate: "
+                "fsdp_use_orig_params: true): without it the layers' factor and W0 are not parameters of their "
+                "own and cannot be refreshed. Or use FSDP2 (fully_shard / accelerate fsdp_version: 2)."
+            )
+        for param in list(originals) + list(getattr(flat, "_shared_params", None) or []):
+            units[id(param)] = unit
+    return units
+
+
+def summon_unit(unit: Optional[nn.Module], *, writeback: bool):
+    """Context in which every parameter of one FSDP1 unit is whole on every rank (a collective: every
+    rank enters it); with `writeback` changes go back to each rank's shard. None: a no-op."""
+    if unit is None:
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=writeback)
+
+
+def group_by_unit(layers, units: dict[int, nn.Module]) -> list[tuple[Optional[nn.Module], list]]:
+    """`layers` ((anything, layer) pairs) grouped by the FSDP1 unit that holds each, in order of first
+    appearance (the same on every rank), so each unit is gathered once however many of its layers need
+    it; layers FSDP1 does not manage form groups with unit None."""
+    groups: list[tuple[Optional[nn.Module], list]] = []
+    index: dict[int, int] = {}
+    for tag, layer in layers:
+        unit = units.get(id(layer.galore_factor))
+        key = id(unit) if unit is not None else -1
+        if key not in index:
+            index[key] = len(groups)
+            groups.append((unit, []))
+        groups[index[key]][1].append((tag, layer))
+    return groups
+
+
+def had_gradient(param, units: dict[int, nn.Module]) -> bool:
+    """Whether `param` took part in this step on any rank: its own gradient or, under FSDP1, its unit's
+    (the rank-local view of a parameter is empty, and has no gradient, where the shard holds none of it)."""
+    if param.grad is not None:
+        return True
+    unit = units.get(id(param))
+    if unit is None:
+        return False
+    flat_param = unit._handle.flat_param  # type: ignore[union-attr]  # FSDP1's handle is untyped
+    return getattr(flat_param, "grad", None) is not None
+
+
+def check_fsdp1_layers(layers, units: dict[int, nn.Module]) -> set[int]:
+    """Refuse what cannot work on FSDP1's 1-D shards; returns the ids of layers FSDP1 manages."""
+    managed = set()
+    for name, layer in layers:
+        if id(layer.galore_factor) not in units:
+            continue
+        managed.add(id(layer))
+        check_moment_handling("fsdp1", moment_handling=layer.config.moment_handling, layer=name)
+    return managed
