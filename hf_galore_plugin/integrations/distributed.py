@@ -37,7 +37,7 @@ import hf_galore_plugin as hgp
 from ..api import _galore_state_per_layer
 from ..config import GaLoreConfig
 from ..inject import iter_galore_layers, iter_galore_layers_by_key, select_targets
-from ..layers import GaLoreLinear
+from ..layers import GaLoreLinear, assign_refresh_phases
 from .fsdp1 import fsdp1_units, group_by_unit, summon_unit
 
 __all__ = [
@@ -83,6 +83,7 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
     if getattr(model, "galore_config", None) is not None:
         return hgp.prepare_model(model, config)  # already prepared: the core checks the config
     selected, report = select_targets(model, config)
+    layers = []
     for index, (name, linear) in enumerate(selected):
         with zero3_gathered(linear.parameters()):
             layer = GaLoreLinear(linear, config, layer_index=index)
@@ -92,6 +93,8 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
         deepspeed.zero.Init(module=layer, config_dict_or_path=ds_config)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        layers.append(layer)
+    assign_refresh_phases(layers)
     model.galore_config = config
     model.galore_report = report
     return model
