@@ -795,7 +795,9 @@ def assign_refresh_phases(layers: list["GaLoreLinear"]) -> int:
             phase_of = balanced
     for layer, phase in zip(layers, phase_of):
         layer.galore_phase.fill_(phase)
-        layer._update_refresh_due()
+        # A new layer is at step 0, uncalibrated: due now iff its phase is 0 (set without reading a
+        # buffer, which on the meta device would fail).
+        layer._refresh_due_cache = layer.needs_basis and phase == 0
     return count
 
 
