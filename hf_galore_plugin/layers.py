@@ -726,9 +726,9 @@ class GaLoreLinear(nn.Module):
 _SKETCH_STREAM = 0x5EED_5EED_0000_0000
 
 
-def assign_refresh_phases(layers: list["GaLoreLinear"]) -> int:
+def assign_refresh_phases(layers: list["GaLoreLinear"]) -> list[int]:
     """Give each layer its refresh phase (``galore_phase``) under refresh_schedule='staggered'; returns the
-    number of phases (1 under 'aligned', where every phase stays 0).
+    phases in the layers' order (all 0 under 'aligned'), readable also for layers on the meta device.
 
     Rule: the layers' refresh records (:meth:`GaLoreLinear.refresh_record_nbytes`) are packed into the
     fewest phases whose records fit the budget (``refresh_budget_mb``; default the largest layer's dense
@@ -740,12 +740,12 @@ def assign_refresh_phases(layers: list["GaLoreLinear"]) -> int:
     """
     layers = list(layers)
     if not layers:
-        return 0
+        return []
     config = layers[0].config
     if config.refresh_schedule != "staggered":
         for layer in layers:
             layer.galore_phase.fill_(0)
-        return 1
+        return [0] * len(layers)
     costs = [layer.refresh_record_nbytes() for layer in layers]
     if config.refresh_budget_mb is not None:
         budget = int(config.refresh_budget_mb * 2**20)
@@ -798,7 +798,7 @@ def assign_refresh_phases(layers: list["GaLoreLinear"]) -> int:
         # A new layer is at step 0, uncalibrated: due now iff its phase is 0 (set without reading a
         # buffer, which on the meta device would fail).
         layer._refresh_due_cache = layer.needs_basis and phase == 0
-    return count
+    return phase_of
 
 
 def _is_dtensor(t: Optional[torch.Tensor]) -> bool:
