@@ -313,3 +313,21 @@ def test_ddp_two_ranks_staggered_match_single_process(tmp_path, basis_method):
     single_result = torch.load(tmp_path / "single.pt", weights_only=True)
     assert_matches(single_result, torch.load(tmp_path / "ddp.pt", weights_only=True))
     assert single_result["refreshes"] == 9  # 3 phases x steps {p, p + 10, p + 20}
+
+
+@pytest.mark.parametrize("state_bits, raises", [(8, True), (32, False)])
+def test_zero_with_8bit_state_rejects_late_calibration_at_construction(state_bits, raises):
+    # ZeRO cannot reset one factor's 8-bit moments inside a flat partition (integrations/distributed.py):
+    # the staggered schedule's late calibrations would fail many steps in; the adapter refuses up front.
+    from types import SimpleNamespace
+
+    from hf_galore_plugin.integrations.distributed import DeepSpeedGaLoreOptimizer
+
+    model = _model(refresh_schedule="staggered", state_bits=state_bits)
+    client = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine = SimpleNamespace(zero_optimization_stage=lambda: 2, module=model, optimizer=SimpleNamespace(optimizer=client))
+    if raises:
+        with pytest.raises(NotImplementedError, match="refresh_schedule='aligned'.*or state_bits=32"):
+            DeepSpeedGaLoreOptimizer(engine)
+    else:
+        DeepSpeedGaLoreOptimizer(engine)

@@ -223,6 +223,13 @@ class DeepSpeedGaLoreOptimizer:
                 "moment_handling='project' is not supported under DeepSpeed ZeRO (the moments of one factor are "
                 "spread over flat partitions); use moment_handling='keep' or 'reset'"
             )
+        if config.state_bits == 8 and any(int(layer.galore_phase) > 0 for _, layer in iter_galore_layers(model)):
+            # Checked here rather than at the first late calibration, many steps into the run.
+            raise NotImplementedError(
+                "refresh_schedule='staggered' under DeepSpeed ZeRO with 8-bit state: a layer calibrated after step 0 "
+                "needs its 8-bit moments reset inside a ZeRO flat partition, which is not supported; use "
+                "refresh_schedule='aligned' (with basis_method='sketch' the calibration step stays small) or state_bits=32"
+            )
         self.engine = engine
         self.model = model
         self.zero_optimizer = engine.optimizer
