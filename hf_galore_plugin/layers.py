@@ -421,7 +421,7 @@ class GaLoreLinear(nn.Module):
         return int(self.galore_step) - int(self.galore_last_refresh) >= int(self.galore_gap)
 
     def _staggered_refresh_due(self) -> bool:
-        # The schedule rule (README "Refresh memory"): calibrate at step == phase (or at the first step after
+        # The schedule rule (README "Options", Refresh memory): calibrate at step == phase (or at the first step after
         # it that reaches the layer), then refresh only at steps == phase (mod update_proj_gap) at least the
         # layer's (lazy) gap after its last refresh. Phases come from assign_refresh_phases, which packs the
         # layers so that one phase's records fit the budget: holding to the phase keeps every step within it
