@@ -1,7 +1,7 @@
 """Refresh memory: the refresh records (dense fp32 gradients or streaming sketches) held at the peak step.
 
     python benchmarks/refresh_memory.py              # planned peaks at 7B/8B/70B + a measured tiny-Llama run
-    python benchmarks/refresh_memory.py --steps 60   # the measured run's length (default 60)
+    python benchmarks/refresh_memory.py --steps 60   # the measured run's length (default 24: every phase)
 
 Planned: GaLoreLinear layers of each model's shapes are built on the meta device (no memory) and packed
 into phases by the same code a run uses (`assign_refresh_phases`, `refresh_record_nbytes`); the peak is
@@ -22,7 +22,7 @@ from torch import nn
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common  # noqa: E402,F401  (sets HF_GALORE_PLUGIN_NO_TAKEOVER=1 before the plugin is imported)
+import _common  # noqa: E402  (sets HF_GALORE_PLUGIN_NO_TAKEOVER=1 before the plugin is imported)
 
 from hf_galore_plugin import GaLoreConfig, GaLoreLinear, after_step, create_optimizer, galore_layers, prepare_model  # noqa: E402
 from hf_galore_plugin.layers import assign_refresh_phases  # noqa: E402
@@ -85,9 +85,11 @@ def measured_tiny(config_overrides: dict, steps: int) -> dict[str, int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60, help="steps of the measured tiny-Llama run")
+    parser.add_argument("--steps", type=int, default=24, help="steps of the measured tiny-Llama run (its 20 phases fit 24)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--rank", type=int, default=256, help="GaLore rank of the planned models (default 256)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     print(f"Planned refresh-record peak per step (rank {args.rank}, gap 200, every q/k/v/o/gate/up/down targeted):\n")
     print("| model | schedule, basis | peak per step | all layers at once | phases (calibration steps) |")

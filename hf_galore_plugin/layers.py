@@ -421,9 +421,9 @@ class GaLoreLinear(nn.Module):
         return int(self.galore_step) - int(self.galore_last_refresh) >= int(self.galore_gap)
 
     def _staggered_refresh_due(self) -> bool:
-        # The schedule rule (README "Options", Refresh memory): calibrate at step == phase (or at the first step after
-        # it that reaches the layer), then refresh only at steps == phase (mod update_proj_gap) at least the
-        # layer's (lazy) gap after its last refresh. Phases come from assign_refresh_phases, which packs the
+        # The schedule rule (README "Options", Refresh memory): calibrate at step == phase (or at the first
+        # step after it that reaches the layer), then refresh only at steps == phase (mod update_proj_gap) at
+        # least the layer's (lazy) gap after its last refresh. Phases come from assign_refresh_phases, which packs the
         # layers so that one phase's records fit the budget: holding to the phase keeps every step within it
         # (a lazily grown gap, or one clipped to a max_proj_gap that is no multiple of the gap, waits for the
         # next step of its phase). With every phase 0 this is the aligned schedule.
@@ -478,7 +478,8 @@ class GaLoreLinear(nn.Module):
         device = torch.device(device) if device is not None else self.galore_step.device
         generator = torch.Generator(device=device)
         side_index = 0 if side == "left" else 1
-        generator.manual_seed(((int(self.galore_seed) * 1_000_039 + int(self.galore_step)) * 2 + side_index) ^ _SKETCH_STREAM)
+        stream = (int(self.galore_seed) * 1_000_039 + int(self.galore_step)) * 2 + side_index
+        generator.manual_seed(stream ^ _SKETCH_STREAM)
         return torch.randn(dim, self._sketch_width(rank), generator=generator, device=device, dtype=torch.float32)
 
     def _record_gradient(self, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -599,7 +600,6 @@ class GaLoreLinear(nn.Module):
         # Never stop training for a bad basis: keep the old one, try again after one more gap.
         warnings.warn(f"GaLore basis refresh failed ({exc}); keeping the previous basis", stacklevel=4)
         self.galore_last_refresh.fill_(int(self.galore_step))
-        return None
 
     def _install_bases(self, new_bases: dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> float:
         """Fold the factor into W0, swap in `new_bases`, adapt the lazy gap and the optimizer state."""
@@ -750,8 +750,8 @@ def assign_refresh_phases(layers: list["GaLoreLinear"]) -> list[int]:
     if config.refresh_budget_mb is not None:
         budget = int(config.refresh_budget_mb * 2**20)
     else:
-        budget = max(4 * layer.out_features * layer.in_features for layer in layers)
-    capacity = max(budget, max(costs))
+        budget = max((4 * layer.out_features * layer.in_features for layer in layers if layer.needs_basis), default=0)
+    capacity = max(budget, *costs)
     order = sorted((i for i in range(len(layers)) if costs[i] > 0), key=lambda i: (-costs[i], i))
 
     def pack_first_fit() -> list[int]:

@@ -154,7 +154,8 @@ def test_config_fields_validate_and_parse_from_optim_args():
 # ---------------------------------------------------------------------------------------------- sketch
 def _recording_layer(m, n, proj_type, **config):
     torch.manual_seed(0)
-    model = prepare_model(nn.Sequential(nn.Linear(n, m, bias=False)), GaLoreConfig(rank=3, proj_type=proj_type, basis_method="sketch", **config))
+    config = GaLoreConfig(rank=3, proj_type=proj_type, basis_method="sketch", **config)
+    model = prepare_model(nn.Sequential(nn.Linear(n, m, bias=False)), config)
     return model[0]
 
 
@@ -314,7 +315,7 @@ def test_resume_mid_gap_is_bit_identical(config):
 def test_engines_two_ranks_match_single_process(tmp_path, engine, basis_method, schedule):
     from distributed._launch import assert_matches
 
-    env = dict(PRESET="galore_adamw", PROJ_TYPE="std", BASIS_METHOD=basis_method, REFRESH_SCHEDULE=schedule)
+    env = {"PRESET": "galore_adamw", "PROJ_TYPE": "std", "BASIS_METHOD": basis_method, "REFRESH_SCHEDULE": schedule}
     if schedule == "staggered":
         env["REFRESH_BUDGET_MB"] = "0.0001"  # below every layer's record: each of the 3 layers has its own phase
     single = run_one_process(tmp_path / "single.pt", ENGINE="single", **env)
