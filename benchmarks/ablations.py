@@ -55,6 +55,9 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "w0_nf4": ("W0 stored NF4 (block 64)", {"weight_storage": "nf4"}),
     "state_fp32": ("fp32 optimizer state", {"state_bits": 32}),
     "state_8bit_ef": ("8-bit state with error feedback", {"error_feedback": True}),
+    "refresh_staggered": ("staggered refresh phases, budget one layer's fp32 gradient", {"refresh_schedule": "staggered"}),
+    "refresh_sketch": ("streaming sketch basis (single pass, oversampling 8)", {"basis_method": "sketch"}),
+    "refresh_staggered_sketch": ("staggered phases + streaming sketch", {"refresh_schedule": "staggered", "basis_method": "sketch"}),
 }
 
 

@@ -13,11 +13,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-__all__ = ["GaLoreConfig", "PRESETS", "PROJ_TYPES", "BASIS_METHODS", "MOMENT_HANDLING"]
+__all__ = ["GaLoreConfig", "PRESETS", "PROJ_TYPES", "BASIS_METHODS", "MOMENT_HANDLING", "REFRESH_SCHEDULES"]
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
-BASIS_METHODS = ("svd", "randomized")
+BASIS_METHODS = ("svd", "randomized", "sketch")
 MOMENT_HANDLING = ("keep", "project", "reset")
+REFRESH_SCHEDULES = ("aligned", "staggered")
 WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
 _OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size")
@@ -45,13 +46,34 @@ class GaLoreConfig:
         default="std",
     )
     basis_method: str = _help(
-        "How a basis is computed from the layer gradient: 'svd' (exact, torch.linalg.svd in fp32) or "
-        "'randomized' (Halko et al. 2011 range finder: faster for large layers).",
+        "How a basis is computed from the layer gradient: 'svd' (exact, torch.linalg.svd in fp32), "
+        "'randomized' (Halko et al. 2011 range finder: faster for large layers) or 'sketch' (streaming: "
+        "backward accumulates a Gaussian sketch of the gradient, (rank + oversampling) x the basis side's "
+        "dimension, and the basis is the sketch's top singular subspace; the m x n gradient is never formed).",
         default="svd",
     )
-    oversampling: int = _help("Extra columns of the randomized range finder (Halko et al.: 5-10).", default=8)
+    oversampling: int = _help(
+        "Extra columns of the randomized range finder and of the streaming sketch (Halko et al.: 5-10).", default=8
+    )
     power_iterations: int = _help(
-        "Subspace (power) iterations of the randomized range finder; 1-2 sharpen a flat spectrum.", default=1
+        "Subspace (power) iterations of the randomized range finder; 1-2 sharpen a flat spectrum. 'sketch' is "
+        "single-pass (Halko et al. 2011, Sec. 5.5) and 'svd' exact: neither uses it.",
+        default=1,
+    )
+    refresh_schedule: str = _help(
+        "When layers compute their bases: 'aligned' (every layer calibrates at step 0 and refreshes every gap "
+        "at the same steps: a refresh step holds every layer's record at once) or 'staggered' (each layer has "
+        "a phase; layers are packed into phases of at most refresh_budget_mb recorded bytes, a layer calibrates "
+        "at step == its phase (its factor gets a zero gradient until then) and refreshes only at steps == its "
+        "phase modulo update_proj_gap).",
+        default="aligned",
+    )
+    refresh_budget_mb: Optional[float] = _help(
+        "refresh_schedule='staggered' only: most MiB of refresh records (fp32 gradients; the sketches with "
+        "basis_method='sketch') held on any one step. Layers are packed into the fewest phases that respect it "
+        "(a layer larger than the budget gets a phase to itself; at most update_proj_gap phases). None: the "
+        "largest targeted layer's dense fp32 gradient.",
+        default=None,
     )
     lazy_refresh: bool = _help(
         "Q-GaLore's layer-adaptive refresh: when consecutive bases of a layer agree (similarity >= "
@@ -158,6 +180,17 @@ class GaLoreConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise bad(name, f"choose one of {list(allowed)}")
+        if self.refresh_schedule not in REFRESH_SCHEDULES:
+            raise bad("refresh_schedule", f"choose one of {list(REFRESH_SCHEDULES)}")
+        if self.refresh_budget_mb is not None:
+            if isinstance(self.refresh_budget_mb, bool) or not isinstance(self.refresh_budget_mb, (int, float)):
+                raise TypeError(
+                    f"GaLoreConfig.refresh_budget_mb must be a number of MiB or None, got {self.refresh_budget_mb!r}"
+                )
+            if not self.refresh_budget_mb > 0:
+                raise bad("refresh_budget_mb", "use a positive number of MiB, or None for one layer's gradient")
+            if self.refresh_schedule != "staggered":
+                raise bad("refresh_budget_mb", "it bounds the staggered schedule only: set refresh_schedule='staggered'")
         if self.oversampling < 0:
             raise bad("oversampling", "use 0 or more extra columns (5-10 is typical)")
         if self.power_iterations < 0:

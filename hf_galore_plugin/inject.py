@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .config import GaLoreConfig
-from .layers import GaLoreLinear
+from .layers import GaLoreLinear, assign_refresh_phases
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +189,12 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
 def replace_targets(model: nn.Module, config: GaLoreConfig) -> TargetReport:
     """Replace every selected nn.Linear of `model` by a GaLoreLinear, in place."""
     selected, report = select_targets(model, config)
+    layers = []
     for index, (name, module) in enumerate(selected):
-        swap_submodule(model, name, GaLoreLinear(module, config, layer_index=index))
+        # One at a time: a quantized W0 replaces the original weight before the next layer is built.
+        layers.append(GaLoreLinear(module, config, layer_index=index))
+        swap_submodule(model, name, layers[-1])
+    assign_refresh_phases(layers)
     logger.info(report.summary())
     return report
 

@@ -41,7 +41,14 @@ from .engines.collectives import world_size as _world_size
 from .engines.contract import gathered_parameters, param_changed
 from .engines.contract import reset_state as _reset_state
 from .engines.contract import transform_state as _transform_state
-from .projection import BasisError, compute_basis, resolve_sides, subspace_similarity, transport_matrix
+from .projection import (
+    BasisError,
+    basis_from_sketch,
+    compute_basis,
+    resolve_sides,
+    subspace_similarity,
+    transport_matrix,
+)
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -50,7 +57,7 @@ except ImportError:  # torch built without distributed support
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GaLoreLinear"]
+__all__ = ["GaLoreLinear", "assign_refresh_phases"]
 
 _QUANT_SCHEMES = {
     # storage name -> (scheme, bits) of hf_galore_plugin.quant.quantize
@@ -194,7 +201,16 @@ class GaLoreLinear(nn.Module):
         # every data-parallel rank, device independent, and exactly restored from a checkpoint.
         self.register_buffer("galore_seed", buf(config.seed * 1_000_003 + layer_index, torch.int64))
         self.register_buffer("galore_rng_counter", buf(0, torch.int64))
-        self._pending_grad: Optional[torch.Tensor] = None
+        # The step (modulo update_proj_gap) of this layer's calibration and refreshes under
+        # refresh_schedule='staggered' (set for all layers at once by assign_refresh_phases); 0 = aligned.
+        self.register_buffer("galore_phase", buf(0, torch.int64))
+        self._phase = 0  # the phase as a Python int, to restore the buffer after to_empty() (meta device)
+        # What this step's backward recorded for the next basis: the dense fp32 gradient (m x n), or with
+        # basis_method='sketch' a dict side -> sketch (the basis side's dimension x k). It lives from the
+        # step's first backward to its after_optimizer_step, so a checkpoint (taken between steps) never
+        # holds one; it is not a buffer because DDP broadcasts buffers from rank 0 at every forward, which
+        # would overwrite the other ranks' partial records during gradient accumulation.
+        self._pending_grad: Optional[torch.Tensor | dict[str, torch.Tensor]] = None
         self._layer_index = layer_index
         # Built on the meta device: after to_empty() every buffer holds uninitialised memory until
         # reset_galore_state() (create_optimizer calls it) or a load of the layer's own state.
@@ -225,8 +241,9 @@ class GaLoreLinear(nn.Module):
         self.galore_last_similarity.fill_(float("nan"))
         self.galore_seed.fill_(self.config.seed * 1_000_003 + self._layer_index)
         self.galore_rng_counter.fill_(0)
+        self.galore_phase.fill_(self._phase)
         self._pending_grad = None
-        self._refresh_due_cache = self.needs_basis
+        self._refresh_due_cache = self.needs_basis and self._phase == 0
         self._built_on_meta = False
 
     @torch.no_grad()
@@ -452,17 +469,99 @@ class GaLoreLinear(nn.Module):
     def _compute_refresh_due(self) -> bool:
         if not self.needs_basis:
             return False
+        if self.config.refresh_schedule == "staggered":
+            return self._staggered_refresh_due()
         if not self.calibrated:
             return True
         return int(self.galore_step) - int(self.galore_last_refresh) >= int(self.galore_gap)
 
+    def _staggered_refresh_due(self) -> bool:
+        # The schedule rule (README "Options", Refresh memory): calibrate at step == phase (or at the first
+        # step after it that reaches the layer), then refresh only at steps == phase (mod update_proj_gap) at
+        # least the layer's (lazy) gap after its last refresh. Phases come from assign_refresh_phases, which packs the
+        # layers so that one phase's records fit the budget: holding to the phase keeps every step within it
+        # (a lazily grown gap, or one clipped to a max_proj_gap that is no multiple of the gap, waits for the
+        # next step of its phase). With every phase 0 this is the aligned schedule.
+        step, phase = int(self.galore_step), int(self.galore_phase)
+        if not self.calibrated:
+            return step >= phase
+        if (step - phase) % self.config.update_proj_gap != 0:
+            return False
+        return step - int(self.galore_last_refresh) >= int(self.galore_gap)
+
+    def _basis_sides(self) -> list[tuple[str, int]]:
+        """(side, rank) of every side with a computed (non-identity) basis."""
+        sides = []
+        if self.left_rank is not None and not self.left_identity:
+            sides.append(("left", self.left_rank))
+        if self.right_rank is not None and not self.right_identity:
+            sides.append(("right", self.right_rank))
+        return sides
+
+    def _sketch_width(self, rank: int) -> int:
+        return min(rank + self.config.oversampling, self.out_features, self.in_features)
+
+    def refresh_record_nbytes(self) -> int:
+        """Bytes a refresh of this layer holds from its backward to the refresh: the fp32 gradient (m x n),
+        or with basis_method='sketch' one fp32 sketch per basis side (that side's dimension x k)."""
+        if not self.needs_basis:
+            return 0
+        if self.config.basis_method != "sketch":
+            return 4 * self.out_features * self.in_features
+        dims = {"left": self.out_features, "right": self.in_features}
+        return sum(4 * dims[side] * self._sketch_width(rank) for side, rank in self._basis_sides())
+
+    def recorded_nbytes(self) -> int:
+        """Bytes of refresh records this layer holds now (0 outside a refresh step's backward..refresh)."""
+        record = self._pending_grad
+        if record is None:
+            return 0
+        tensors = record.values() if isinstance(record, dict) else (record,)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def sketch_test_matrix(self, side: str, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The Gaussian test matrix Omega of the current step's sketch of `side` (fp32).
+
+        'left' (basis P, m x r): Omega is n x k and the sketch G Omega = dy^T (x Omega) spans G's columns;
+        'right' (basis Q, n x r): Omega is m x k and the sketch G^T Omega = x^T (dy Omega) spans G's rows.
+        Drawn from (layer seed, step, side): the same on every data-parallel rank and every micro-batch of
+        a step (so the sketch stays linear in the step's gradient), and after a resume; a stream of its
+        own, apart from the counter-driven one of stochastic rounding and the randomized range finder.
+        """
+        rank = dict(self._basis_sides())[side]
+        dim = self.in_features if side == "left" else self.out_features
+        device = torch.device(device) if device is not None else self.galore_step.device
+        generator = torch.Generator(device=device)
+        side_index = 0 if side == "left" else 1
+        stream = (int(self.galore_seed) * 1_000_039 + int(self.galore_step)) * 2 + side_index
+        generator.manual_seed(stream ^ _SKETCH_STREAM)
+        return torch.randn(dim, self._sketch_width(rank), generator=generator, device=device, dtype=torch.float32)
+
     def _record_gradient(self, dy: torch.Tensor, x: torch.Tensor) -> None:
         # Accumulates over micro-batches (gradient accumulation, or several forwards in one step).
+        if self.config.basis_method == "sketch":
+            self._record_sketch(dy, x)
+            return
         g = dy.to(torch.float32).mT @ x.to(torch.float32)
         if self._pending_grad is None:
             self._pending_grad = g
         else:
             self._pending_grad += g
+
+    def _record_sketch(self, dy: torch.Tensor, x: torch.Tensor) -> None:
+        # Y = G Omega (left) or G^T Omega (right) with G = dy^T x, evaluated so that no m x n tensor is
+        # formed: N x k and k x dim temporaries only. Linear in G, so the sum over micro-batches is the
+        # sketch of the step's gradient, and the mean over ranks the sketch of the averaged gradient.
+        dy32, x32 = dy.to(torch.float32), x.to(torch.float32)
+        record = self._pending_grad if self._pending_grad is not None else {}
+        for side, _ in self._basis_sides():
+            omega = self.sketch_test_matrix(side, dy.device)
+            sketch = dy32.mT @ (x32 @ omega) if side == "left" else x32.mT @ (dy32 @ omega)
+            if side in record:
+                record[side] += sketch
+            else:
+                record[side] = sketch
+        self._pending_grad = record
 
     def discard_recorded_gradient(self) -> None:
         """Forget what this step's backward recorded (its optimizer step was skipped)."""
@@ -506,6 +605,16 @@ class GaLoreLinear(nn.Module):
         self._pending_grad = None
         if grad is None:
             raise RuntimeError("GaLoreLinear.refresh() needs the gradient recorded during a refresh step's backward")
+        if isinstance(grad, dict):
+            # Streaming sketches: averaging them over the ranks is exact (they are linear in the gradient).
+            try:
+                new_bases = {
+                    side: basis_from_sketch(_all_reduce_mean(grad[side]), rank=rank)
+                    for side, rank in self._basis_sides()
+                }
+            except BasisError as exc:
+                return self._basis_failed(exc)
+            return self._install_bases(new_bases, optimizer)
         # Data-parallel ranks recorded different micro-batches. The randomized range finder can average
         # its sketches over the ranks instead of the gradient: k (m + n) (1 + power_iterations) values
         # per side, which beats the m x n gradient only when k is small against m and n; each layer
@@ -517,7 +626,6 @@ class GaLoreLinear(nn.Module):
                 sketch_reduce = _all_reduce_mean
         if sketch_reduce is None:
             grad = _all_reduce_mean(grad)
-        first = not self.calibrated
         new_bases: dict[str, torch.Tensor] = {}
         try:
             for side in ("left", "right"):
@@ -539,11 +647,17 @@ class GaLoreLinear(nn.Module):
                     reduce=sketch_reduce,
                 )
         except BasisError as exc:
-            # Never stop training for a bad basis: keep the old one, try again after one more gap.
-            warnings.warn(f"GaLore basis refresh failed ({exc}); keeping the previous basis", stacklevel=3)
-            self.galore_last_refresh.fill_(int(self.galore_step))
-            return None
+            return self._basis_failed(exc)
+        return self._install_bases(new_bases, optimizer)
 
+    def _basis_failed(self, exc: BasisError) -> None:
+        # Never stop training for a bad basis: keep the old one, try again after one more gap.
+        warnings.warn(f"GaLore basis refresh failed ({exc}); keeping the previous basis", stacklevel=4)
+        self.galore_last_refresh.fill_(int(self.galore_step))
+
+    def _install_bases(self, new_bases: dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> float:
+        """Fold the factor into W0, swap in `new_bases`, adapt the lazy gap and the optimizer state."""
+        first = not self.calibrated
         old_bases = {side: self.basis(side, torch.float32).clone() for side in new_bases}
         self._fold_factor_into_base(optimizer)
         for side, basis in new_bases.items():
@@ -565,8 +679,11 @@ class GaLoreLinear(nn.Module):
         return similarity
 
     def sketch_exchange_numel(self) -> int:
-        """Values a data-parallel refresh all-reduces with the randomized range finder's sketches."""
+        """Values a data-parallel refresh all-reduces with the randomized range finder's sketches (with
+        basis_method='sketch': the streaming sketches themselves)."""
         m, n = self.out_features, self.in_features
+        if self.config.basis_method == "sketch":
+            return self.refresh_record_nbytes() // 4
         total = 0
         for rank, identity in ((self.left_rank, self.left_identity), (self.right_rank, self.right_identity)):
             if rank is not None and not identity:
@@ -654,6 +771,87 @@ class GaLoreLinear(nn.Module):
             self._built_on_meta = False  # its own state came with the load
         self._update_refresh_due()
         self._pending_grad = None
+
+
+# Keeps the sketch's test-matrix seeds apart from the counter-driven seeds of _next_generator.
+_SKETCH_STREAM = 0x5EED_5EED_0000_0000
+
+
+def assign_refresh_phases(layers: list["GaLoreLinear"]) -> list[int]:
+    """Give each layer its refresh phase (``galore_phase``) under refresh_schedule='staggered'; returns the
+    phases in the layers' order (all 0 under 'aligned'), readable also for layers on the meta device.
+
+    Rule: the layers' refresh records (:meth:`GaLoreLinear.refresh_record_nbytes`) are packed into the
+    fewest phases whose records fit the budget (``refresh_budget_mb``; default the largest layer's dense
+    fp32 gradient; a layer above it gets a phase to itself) by first-fit decreasing, then spread over that
+    many phases by largest-first onto the lightest phase when that still fits, so the steps carry about
+    equal bytes. More phases than update_proj_gap steps cannot exist: the layers are then balanced over
+    update_proj_gap phases and the budget is exceeded (a warning says by how much). Deterministic (ties
+    broken by the layers' order), so every data-parallel rank computes the same phases.
+    """
+    layers = list(layers)
+    if not layers:
+        return []
+    config = layers[0].config
+    if config.refresh_schedule != "staggered":
+        for layer in layers:
+            layer.galore_phase.fill_(0)
+            layer._phase = 0
+        return [0] * len(layers)
+    costs = [layer.refresh_record_nbytes() for layer in layers]
+    if config.refresh_budget_mb is not None:
+        budget = int(config.refresh_budget_mb * 2**20)
+    else:
+        budget = max((4 * layer.out_features * layer.in_features for layer in layers if layer.needs_basis), default=0)
+    capacity = max(budget, *costs)
+    order = sorted((i for i in range(len(layers)) if costs[i] > 0), key=lambda i: (-costs[i], i))
+
+    def pack_first_fit() -> list[int]:
+        loads, phase_of = [], [0] * len(layers)
+        for i in order:
+            phase = next((p for p, load in enumerate(loads) if load + costs[i] <= capacity), len(loads))
+            if phase == len(loads):
+                loads.append(0)
+            loads[phase] += costs[i]
+            phase_of[i] = phase
+        return phase_of
+
+    def pack_balanced(count: int) -> list[int]:
+        loads, phase_of = [0] * count, [0] * len(layers)
+        for i in order:
+            phase = min(range(count), key=lambda p: (loads[p], p))
+            loads[phase] += costs[i]
+            phase_of[i] = phase
+        return phase_of
+
+    def peak(phase_of: list[int]) -> int:
+        loads: dict[int, int] = {}
+        for i, phase in enumerate(phase_of):
+            loads[phase] = loads.get(phase, 0) + costs[i]
+        return max(loads.values(), default=0)
+
+    phase_of = pack_first_fit()
+    count = max(phase_of, default=0) + 1
+    if count > config.update_proj_gap:
+        count = config.update_proj_gap
+        phase_of = pack_balanced(count)
+        warnings.warn(
+            f"refresh_schedule='staggered': {len(order)} layers do not fit update_proj_gap={config.update_proj_gap} "
+            f"phases of {capacity / 2**20:.1f} MiB; the largest phase records {peak(phase_of) / 2**20:.1f} MiB. "
+            "Raise refresh_budget_mb or update_proj_gap, or use basis_method='sketch' (smaller records)",
+            stacklevel=2,
+        )
+    else:
+        balanced = pack_balanced(count)
+        if peak(balanced) <= capacity:
+            phase_of = balanced
+    for layer, phase in zip(layers, phase_of):
+        layer.galore_phase.fill_(phase)
+        layer._phase = phase
+        # A new layer is at step 0, uncalibrated: due now iff its phase is 0 (set without reading a
+        # buffer, which on the meta device would fail).
+        layer._refresh_due_cache = layer.needs_basis and phase == 0
+    return phase_of
 
 
 def _relative_rms(approx: torch.Tensor, exact: torch.Tensor) -> float:

@@ -15,6 +15,7 @@ __all__ = [
     "BasisError",
     "resolve_sides",
     "compute_basis",
+    "basis_from_sketch",
     "subspace_similarity",
     "transport_matrix",
 ]
@@ -161,3 +162,30 @@ def subspace_similarity(old: torch.Tensor, new: torch.Tensor) -> float:
 def transport_matrix(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """T = old^T new (r x r): coordinates in `old` times T are the same vector's coordinates in `new`."""
     return old.to(torch.float32).mT @ new.to(torch.float32)
+
+
+def basis_from_sketch(sketch: torch.Tensor, *, rank: int) -> torch.Tensor:
+    """Orthonormal basis (d x rank, fp32) of the top-`rank` singular subspace of a streaming sketch.
+
+    `sketch` (d x k, k >= rank) is Y = A Omega for a Gaussian test matrix Omega (k columns), A the
+    matrix whose column space is wanted (G for a left basis, G^T for a right one). Single-pass range
+    finder (Halko, Martinsson & Tropp 2011, Sec. 4.1 and 5.5): the range of Y approximates the range of
+    A; keeping its top `rank` left singular vectors picks, among its k directions, the ones of largest
+    energy (E[Y Y^T] = k A A^T, so they estimate A's top singular vectors). Raises :class:`BasisError`
+    on non-finite input or a failed decomposition.
+    """
+    if sketch.ndim != 2:
+        raise ValueError(f"basis_from_sketch expects a 2-D sketch, got shape {tuple(sketch.shape)}")
+    if rank > sketch.shape[1]:
+        raise ValueError(f"rank {rank} exceeds the sketch's {sketch.shape[1]} columns (rank + oversampling)")
+    matrix = sketch.detach().to(torch.float32)
+    if not bool(torch.isfinite(matrix).all()):
+        raise BasisError(f"gradient sketch has {int((~torch.isfinite(matrix)).sum())} non-finite values")
+    try:
+        u, _, _ = torch.linalg.svd(matrix, full_matrices=False)
+    except torch.linalg.LinAlgError as exc:
+        raise BasisError(f"decomposition failed: {exc}") from exc
+    basis = u[:, :rank]
+    if not bool(torch.isfinite(basis).all()):
+        raise BasisError("decomposition returned non-finite values")
+    return basis.contiguous()

@@ -85,6 +85,14 @@ class DeepSpeedGaLoreOptimizer:
         if config is None:
             raise ValueError("the engine's model has no GaLore layers: call prepare_model(model, config) first")
         check_moment_handling(f"zero{self.zero_stage}", moment_handling=config.moment_handling)
+        phases = [m.galore_phase for m in model.modules() if isinstance(getattr(m, "galore_phase", None), torch.Tensor)]
+        if config.state_bits == 8 and any(int(phase) > 0 for phase in phases):
+            # Checked here rather than at the first late calibration, many steps into the run.
+            raise NotImplementedError(
+                "refresh_schedule='staggered' under DeepSpeed ZeRO with 8-bit state: a layer calibrated after step 0 "
+                "needs its 8-bit moments reset inside a ZeRO flat partition, which is not supported; use "
+                "refresh_schedule='aligned' (with basis_method='sketch' the calibration step stays small) or state_bits=32"
+            )
         self.engine = engine
         self.model = model
         self.zero_optimizer = engine.optimizer

@@ -26,7 +26,7 @@ from ..engines.collectives import full_tensor, shard_like
 from ..engines.deepspeed import DeepSpeedGaLoreOptimizer, import_deepspeed, is_zero3_partitioned, zero3_gathered
 from ..engines.fsdp1 import fsdp1_units, group_by_unit, summon_unit
 from ..inject import galore_state_per_layer, iter_galore_layers_by_key, select_targets
-from ..layers import GaLoreLinear
+from ..layers import GaLoreLinear, assign_refresh_phases
 
 __all__ = [
     "DeepSpeedGaLoreOptimizer",
@@ -51,6 +51,7 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
     if getattr(model, "galore_config", None) is not None:
         return prepare_model(model, config)  # already prepared: the core checks the config
     selected, report = select_targets(model, config)
+    layers = []
     for index, (name, linear) in enumerate(selected):
         with zero3_gathered(linear.parameters()):
             layer = GaLoreLinear(linear, config, layer_index=index)
@@ -60,6 +61,8 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
         deepspeed.zero.Init(module=layer, config_dict_or_path=ds_config)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        layers.append(layer)
+    assign_refresh_phases(layers)
     model.galore_config = config
     model.galore_report = report
     return model

@@ -47,6 +47,8 @@ def build_model(preset: str, proj_type: str) -> nn.Module:
         # gradient and the data-parallel refresh exchanges sketches (see sketch_exchange_numel)
         oversampling=0,
         moment_handling=os.environ.get("MOMENT_HANDLING", "keep"),
+        refresh_schedule=os.environ.get("REFRESH_SCHEDULE", "aligned"),
+        refresh_budget_mb=float(os.environ["REFRESH_BUDGET_MB"]) if "REFRESH_BUDGET_MB" in os.environ else None,
     )
     return prepare_model(model, config)
 
