@@ -28,6 +28,7 @@ from .tracker import LiveBytes
 __all__ = ["StepPeak", "MethodTrace", "trace_method", "build_fake_model", "DTYPES"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PHASES = ("forward", "backward", "optimizer", "after_step")
 PARTS = ("weights", "grads", "optimizer_state", "bases", "activations", "other")
 
 
@@ -43,12 +44,34 @@ class StepPeak:
 class MethodTrace:
     method: str
     traced: bool
-    normal: StepPeak
-    refresh: StepPeak
+    # per step (0: first, 1: normal, 2: refresh): the peak of every run (phase, decoder layer or -1)
+    steps: list[list[tuple[str, int, StepPeak]]]
     notes: list[str] = field(default_factory=list)
     trainable_grad_bytes: int = 0  # gradients of every trainable parameter (DDP bucket size)
     largest_layer_param_bytes: int = 0  # one decoder layer's parameters (FSDP/ZeRO-3 gather unit)
     largest_layer_grad_bytes: int = 0
+
+    def step_peak(self, step: int) -> StepPeak:
+        return max((run[2] for run in self.steps[step]), key=lambda p: p.peak_bytes)
+
+    @property
+    def normal(self) -> StepPeak:
+        """A normal step: step 1 (state exists, no refresh); for methods without refresh, the larger of
+        steps 0 and 1 (step 0 creates the state)."""
+        if self.has_refresh:
+            return self.step_peak(1)
+        return max((self.step_peak(0), self.step_peak(1)), key=lambda p: p.peak_bytes)
+
+    @property
+    def refresh(self) -> StepPeak:
+        """A refresh step: the larger of step 0 (the first basis) and step 2 (a refresh with state)."""
+        if not self.has_refresh:
+            return self.normal
+        return max((self.step_peak(0), self.step_peak(2)), key=lambda p: p.peak_bytes)
+
+    @property
+    def has_refresh(self) -> bool:
+        return self.method not in ("adamw_torch", "adamw_8bit", "lora", "qlora")
 
 
 # ---------------------------------------------------------------------- model
@@ -261,6 +284,13 @@ def _device_semantics(device: str):
             os.environ["HF_GALORE_DISABLE_TRITON"] = old_env
 
 
+def _state_tensors(state: dict) -> list:
+    out: list = []
+    for item in state.values():
+        _tensors_in(item.ortho_matrix if hasattr(item, "ortho_matrix") else item, out)
+    return out
+
+
 def _tensors_in(obj, out: list) -> None:
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -285,6 +315,27 @@ class _Roles:
             if serial is not None:
                 self.sets[role].add(serial)
 
+    def _regions(self, model: nn.Module, optimizer, grads_of) -> None:
+        owner: dict[int, int] = {}
+        for index, layer in enumerate(_decoder_layers(model)):
+            tensors = list(layer.parameters()) + list(layer.buffers())
+            tensors += [getattr(m, "_pending_grad", None) for m in layer.modules()]
+            for p in layer.parameters():
+                tensors.append(p.grad)
+                _tensors_in(_state_tensors(optimizer.state.get(p, {})), tensors)
+            for t in tensors:
+                serial = self.tracker.serial_of(t)
+                if serial is not None:
+                    owner[serial] = index
+        self.tracker.region_of.update(owner)
+        others = list(model.parameters()) + list(model.buffers()) + grads_of
+        for p in model.parameters():
+            _tensors_in(_state_tensors(optimizer.state.get(p, {})), others)
+        for t in others:
+            serial = self.tracker.serial_of(t)
+            if serial is not None and serial not in owner:
+                self.tracker.unowned.add(serial)
+
     def collect(self, model: nn.Module, optimizer) -> None:
         bases, weights = [], []
         for name, buf in model.named_buffers():
@@ -304,6 +355,7 @@ class _Roles:
         self._add("weights", weights)
         self._add("grads", grads)
         self._add("optimizer_state", state)
+        self._regions(model, optimizer, grads)
 
     def split(self, live) -> dict[str, int]:
         parts = dict.fromkeys(PARTS, 0)
@@ -337,7 +389,7 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
 
     tracker = LiveBytes(scalar_fallback=fake)
     roles = _Roles(tracker)
-    peaks: list[StepPeak] = []
+    steps: list[dict[str, StepPeak]] = []
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if not fake:
         torch.manual_seed(0)
@@ -349,22 +401,29 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
         ids = torch.randint(0, config.vocab_size, (settings.batch_size, settings.seq_len))
         for _ in range(3):
             roles.collect(model, optimizer)
-            tracker.phase = "forward"
-            tracker.reset_peak()
+            tracker.runs = []
+
+            def phase(name: str) -> None:
+                tracker.close_run()
+                tracker.phase = name
+
+            phase("forward")
             loss = model(input_ids=ids, labels=ids).loss
-            tracker.phase = "backward"
+            phase("backward")
             loss.backward()
             del loss
             roles.collect(model, optimizer)
-            tracker.phase = "optimizer"
+            phase("optimizer")
             optimizer.step()
             roles.collect(model, optimizer)
-            tracker.phase = "after_step"
+            phase("after_step")
             after()
             roles.collect(model, optimizer)
-            live = tracker.peak_live()
-            peaks.append(StepPeak(tracker.peak, roles.split(live), tracker.peak_phase, roles.largest(live)))
-            tracker.phase = "zero_grad"
+            phase("zero_grad")
+            steps.append([
+                (name, region, StepPeak(peak, roles.split(live), name, roles.largest(live)))
+                for name, region, peak, live in tracker.runs if name in PHASES
+            ])  # fmt: skip
             optimizer.zero_grad(set_to_none=True)
         trainable_grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         layers = _decoder_layers(model)
@@ -373,14 +432,86 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
         layer_grads = max(
             (sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in layers), default=0
         )
-    galore = method not in BASELINES
-    normal = peaks[1]
-    refresh = max((peaks[0], peaks[2]), key=lambda p: p.peak_bytes) if galore or method == "galore_torch" else normal
-    if not galore and method != "galore_torch":
-        normal = max(peaks[:2], key=lambda p: p.peak_bytes)
-        refresh = normal
-    return MethodTrace(method, traced, normal, refresh, notes, trainable_grad, layer_params, layer_grads)
+    return MethodTrace(method, traced, steps, notes, trainable_grad, layer_params, layer_grads)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _affine(a: int, b: int, extra: int) -> int:
+    return b + extra * (b - a)
+
+
+def _keyed_runs(runs, layers: int) -> dict[tuple, StepPeak]:
+    """Runs keyed by what they are in any layer count: phase, number of non-layer runs before it in
+    the phase, and position: 'x' (no layer), first/second/second-last/last layer ('i0', 'i1', 'j1',
+    'j0'); middle layers ('mid') are affine in their index, so they never exceed the ends."""
+    keyed: dict[tuple, StepPeak] = {}
+    x_count: dict[str, int] = {}
+    for phase, region, peak in runs:
+        if region < 0:
+            position = "x"
+            x_count[phase] = x_count.get(phase, 0) + 1
+        else:
+            position = {0: "i0", 1: "i1", layers - 2: "j1", layers - 1: "j0"}.get(region, "mid")
+            if position == "mid":
+                continue
+        key = (phase, x_count.get(phase, 0), position)
+        if key not in keyed or peak.peak_bytes > keyed[key].peak_bytes:
+            keyed[key] = peak
+    return keyed
+
+
+def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 4) -> MethodTrace:
+    """The trace of the full model computed from traces with `base_layers` and `base_layers + 1`
+    decoder layers.
+
+    Decoder layers are identical (same shapes, same code, run one after another), so the bytes
+    alive at a given point of a step are affine in the number of layers L: per-layer tensors
+    (weights, gradients, state, checkpoints, recorded refresh gradients) add a fixed amount per
+    layer, everything else (embeddings, head, loss, the temporaries of the layer at work) does
+    not depend on L. The tracker splits each step into runs by phase and by the decoder layer
+    whose tensors the ops read; the peak of each run that exists in every layer count (non-layer
+    runs, the first two and last two layers) is extrapolated from the two traces, and the step's
+    peak is the largest of them. tests/test_plan.py checks the result against full traces.
+    """
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers <= base_layers + 1:
+        return trace_method(config, method, settings)
+    small = [trace_method(_with_layers(config, n), method, settings) for n in (base_layers, base_layers + 1)]
+    extra = layers - base_layers - 1
+    steps = []
+    for a_runs, b_runs in zip(small[0].steps, small[1].steps):
+        a_keyed, b_keyed = _keyed_runs(a_runs, base_layers), _keyed_runs(b_runs, base_layers + 1)
+        if set(a_keyed) != set(b_keyed):
+            raise RuntimeError(
+                f"planner: the step of {method!r} is not the same sequence of runs with {base_layers} and "
+                f"{base_layers + 1} layers ({sorted(set(a_keyed) ^ set(b_keyed))}); trace the full model instead"
+            )
+        step = []
+        for key, b in b_keyed.items():
+            a = a_keyed[key]
+            parts = {k: _affine(a.parts[k], b.parts[k], extra) for k in b.parts}
+            step.append((key[0], -1, StepPeak(_affine(a.peak_bytes, b.peak_bytes, extra), parts, key[0], b.largest)))
+        steps.append(step)
+    a, b = small
+    notes = b.notes + [
+        f"traced with {base_layers} and {base_layers + 1} decoder layers, scaled to {layers} (identical layers)"
+    ]
+    return MethodTrace(
+        method, b.traced, steps, notes, _affine(a.trainable_grad_bytes, b.trainable_grad_bytes, extra),
+        b.largest_layer_param_bytes, b.largest_layer_grad_bytes,
+    )  # fmt: skip
+
+
+def _with_layers(config, layers: int):
+    import copy
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    for key in ("layer_types",):  # per-layer lists (e.g. attention kinds) follow the layer count
+        value = getattr(config, key, None)
+        if isinstance(value, list) and value:
+            setattr(config, key, value[:layers])
+    return config

@@ -51,6 +51,13 @@ class LiveBytes(TorchDispatchMode):
         # optimizer's step counter, a finiteness check) cannot be answered; with scalar_fallback
         # such reads return a neutral value (True, 1, 1.0). Memory never depends on them.
         self.scalar_fallback = scalar_fallback
+        # Regions: storages owned by decoder layer i map to i; an op that reads a tensor of exactly
+        # one layer moves the current region there (it stays there until another layer's tensor,
+        # or a tensor of no layer is read), so a step's timeline splits into runs by layer.
+        self.region_of: dict[int, int] = {}
+        self.unowned: set[int] = set()  # model / optimizer tensors of no layer (embeddings, head)
+        self.region = -1
+        self.runs: list[tuple[str, int, int, dict[int, Entry]]] = []  # (phase, region, peak, live at peak)
 
     # ------------------------------------------------------------------ accounting
     def track(self, tensor: torch.Tensor) -> Optional[Entry]:
@@ -101,9 +108,36 @@ class LiveBytes(TorchDispatchMode):
         entry = self.live.get(tensor.untyped_storage()._cdata)
         return None if entry is None else entry.serial
 
+    def close_run(self) -> None:
+        """End the current run (phase, region): record its peak and live set; start the next one."""
+        self.runs.append((self.phase, self.region, self.peak, self.peak_live()))
+        self.reset_peak()
+
+    def _update_region(self, args, kwargs) -> None:
+        regions = set()
+        owned = False
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+                entry = self.live.get(leaf.untyped_storage()._cdata)
+                if entry is not None and entry.serial in self.region_of:
+                    regions.add(self.region_of[entry.serial])
+                elif entry is not None and entry.serial in self.unowned:
+                    owned = True
+        if len(regions) == 1 and not owned:
+            region = regions.pop()
+        elif regions or owned:
+            region = -1
+        else:
+            return
+        if region != self.region:
+            self.close_run()
+            self.region = region
+
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.region_of:
+            self._update_region(args, kwargs)
         if self.scalar_fallback and func is torch.ops.aten._local_scalar_dense.default:
             try:
                 return func(*args, **kwargs)
