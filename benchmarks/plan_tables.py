@@ -47,7 +47,7 @@ def main(argv=None) -> int:
             path.write_text(json.dumps(plan, indent=1))
         tables.append(format_table(plan) + f"\n\n(planner wall time: {plan['seconds']} s)\n")
         print(tables[-1], flush=True)
-    (args.out / "plan.md").write_text("\n".join(tables))
+        (args.out / "plan.md").write_text("\n".join(tables))
     return 0
 
 
