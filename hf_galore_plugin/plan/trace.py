@@ -71,7 +71,7 @@ class MethodTrace:
 
     @property
     def has_refresh(self) -> bool:
-        return self.method not in ("adamw_torch", "adamw_8bit", "lora", "qlora")
+        return self.method not in NO_REFRESH
 
 
 # ---------------------------------------------------------------------- model
@@ -195,6 +195,7 @@ class Settings:
 
 
 OUR_METHODS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+NO_REFRESH = ("adamw_torch", "adamw_8bit", "lora", "qlora")
 BASELINES = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora")
 LR = 1e-4
 
@@ -399,7 +400,8 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
             tracker.track(t)
         optimizer, after, traced, notes = _setup(method, model, settings)
         ids = torch.randint(0, config.vocab_size, (settings.batch_size, settings.seq_len))
-        for _ in range(3):
+        # Methods without a basis refresh need steps 0 (state created) and 1 (normal) only.
+        for _ in range(2 if method in NO_REFRESH else 3):
             roles.collect(model, optimizer)
             tracker.runs = []
 
