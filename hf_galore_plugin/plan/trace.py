@@ -487,10 +487,11 @@ def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 
     for a_runs, b_runs in zip(small[0].steps, small[1].steps):
         a_keyed, b_keyed = _keyed_runs(a_runs, base_layers), _keyed_runs(b_runs, base_layers + 1)
         if set(a_keyed) != set(b_keyed):
-            raise RuntimeError(
-                f"planner: the step of {method!r} is not the same sequence of runs with {base_layers} and "
-                f"{base_layers + 1} layers ({sorted(set(a_keyed) ^ set(b_keyed))}); trace the full model instead"
-            )
+            # The step is not the same sequence of runs at both depths (a model whose layers differ):
+            # scaling does not apply, so the whole model is traced.
+            full = trace_method(config, method, settings)
+            full.notes.append(f"layers are not identical ({base_layers} vs {base_layers + 1} layers differ): full trace")
+            return full
         step = []
         for key, b in b_keyed.items():
             a = a_keyed[key]
