@@ -3,7 +3,8 @@ peak torch.cuda.max_memory_allocated of a ~1B Llama for AdamW, bitsandbytes Adam
 
     python benchmarks/gpu_step.py kernel --out DIR           # adamw8bit kernel vs torch fused AdamW (and bnb)
     python benchmarks/gpu_step.py step --method NAME --out DIR   # one method, in its own process
-    python benchmarks/gpu_step.py table --out DIR            # collect step_*.json into step.md
+    python benchmarks/gpu_step.py table --out DIR            # collect step_*.json into step.md, with the
+                                                             # memory planner's peaks for the same settings
     python benchmarks/gpu_step.py step --method adamw --tiny --device cpu --out DIR   # smoke test of the code path
 
 Step model: LlamaConfig(hidden 2048, intermediate 5504, 22 layers, 32 heads, 4 KV heads, vocab 32000:
@@ -179,23 +180,57 @@ def step(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
+# Planner names of the step methods (hf_galore_plugin.plan).
+PLAN_METHODS = {"adamw": "adamw_torch", "bnb_adamw8bit": "adamw_8bit", "galore_adamw": "galore_adamw",
+                "galore_adamw_8bit": "galore_adamw_8bit", "qgalore_adamw_8bit": "qgalore_adamw_8bit"}  # fmt: skip
+
+
+def planned_peaks(shape: dict, rank: int, batch: int, seq: int) -> dict[str, tuple[int, int]]:
+    """(normal-step, refresh-step) peak bytes of every step method, from the memory planner (CPU only):
+    the same shape, dtype, batch, rank and GaLore targets as `step`."""
+    from transformers import LlamaConfig
+
+    import hf_galore_plugin.plan as plan
+
+    config = LlamaConfig(**shape, max_position_embeddings=seq, tie_word_embeddings=False)
+    original = plan.load_config
+    plan.load_config = lambda model, config_path: config
+    try:
+        result = plan.estimate(
+            model="1.1B Llama (gpu_step)", methods=list(PLAN_METHODS.values()), seq_len=seq, batch_size=batch,
+            gradient_checkpointing=False, dtype="bf16", rank=rank,
+            optim_args={"target_modules": r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"},
+        )  # fmt: skip
+    finally:
+        plan.load_config = original
+    return {step: (result["methods"][name]["peak_bytes"], result["methods"][name]["refresh_peak_bytes"])
+            for step, name in PLAN_METHODS.items()}  # fmt: skip
+
+
 def table(args: argparse.Namespace) -> None:
     results = {m: json.loads((args.out / f"step_{m}.json").read_text()) for m in STEP_METHODS
                if (args.out / f"step_{m}.json").exists()}  # fmt: skip
     reference = results.get("adamw")
-    lines = ["| method | params | batch x seq | s/step | tokens/s | vs AdamW | peak GiB, whole run | peak GiB, normal steps |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    plans = {}
+    if results and not args.no_plan:
+        first = next(iter(results.values()))
+        plans = planned_peaks(first["settings"]["shape"], first["settings"]["rank"], first["batch"], first["seq"])
+    lines = ["| method | params | batch x seq | s/step | tokens/s | vs AdamW | peak GiB, whole run | peak GiB, normal steps "
+             "| planner peak GiB (normal / refresh step) |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for method in STEP_METHODS:
         r = results.get(method)
+        planned = plans.get(method)
+        planned = "n/a" if planned is None else f"{planned[0] / 2**30:.2f} / {planned[1] / 2**30:.2f}"
         if r is None:
-            lines.append(f"| {method} | not run (see gpu.log) | | | | | | |")
+            lines.append(f"| {method} | not run (see gpu.log) | | | | | | | {planned} |")
             continue
         versus = f"{reference['seconds_per_step'] / r['seconds_per_step']:.2f}x" if reference else "n/a"
         peak = "n/a" if r["peak_allocated_bytes"] is None else f"{r['peak_allocated_bytes'] / 2**30:.2f}"
         normal = r.get("normal_step_peak_allocated_bytes")
         peak += " | " + ("n/a" if normal is None else f"{normal / 2**30:.2f}")
         lines.append(f"| {method} | {r['parameters'] / 1e9:.2f}B | {r['batch']} x {r['seq']} | {r['seconds_per_step']:.3f} "
-                     f"| {r['tokens_per_second']:.0f} | {versus} | {peak} |")  # fmt: skip
+                     f"| {r['tokens_per_second']:.0f} | {versus} | {peak} | {planned} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     (args.out / "step.md").write_text(text)
     print(text)
@@ -212,6 +247,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama (smoke test of the code path)")
+    parser.add_argument("--no-plan", action="store_true", help="table: leave out the memory planner's column")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     {"kernel": kernel, "step": step, "table": table}[args.what](args)

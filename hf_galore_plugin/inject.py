@@ -86,6 +86,16 @@ def _shared_parameter_owners(model: nn.Module) -> dict[int, list[str]]:
     return owners
 
 
+def _is_plain_parameter(weight: torch.Tensor) -> bool:
+    # A parameter of a model built under FakeTensorMode (the memory planner) is a FakeTensor flagged
+    # as a parameter: a plain weight with fake storage, not a quantized or other subclass weight.
+    if type(weight) is nn.Parameter:
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return type(weight) is FakeTensor and isinstance(weight, nn.Parameter)
+
+
 def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[str, nn.Linear]], TargetReport]:
     """The (name, module) pairs to replace, and a report of what was skipped and why."""
     report = TargetReport()
@@ -111,7 +121,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             reason = "adapter layers (left to plain AdamW)"
         elif not isinstance(weight, nn.Parameter) or not weight.requires_grad:
             reason = "frozen"
-        elif not weight.is_floating_point() or type(weight) is not nn.Parameter:
+        elif not weight.is_floating_point() or not _is_plain_parameter(weight):
             reason = "quantized or non-standard weight"
         elif explicit and not _matches(name, config.target_modules):
             reason = "not in target_modules"

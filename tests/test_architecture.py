@@ -30,19 +30,24 @@ ALLOWED: dict[str, set[str]] = {
     "optim": {"utils", "codes", "kernels", "quant", "engines"},
     "presets": {"config"},
     "registry": {"config"},
-    "plan": {"utils", "config", "codes", "projection", "quant", "engines", "layers", "inject", "optim", "presets"},
     "api": {"utils", "config", "projection", "quant", "engines", "layers", "inject", "optim"},
     "integrations": {
         "utils", "config", "codes", "projection", "kernels", "quant", "engines", "layers", "inject", "optim",
-        "presets", "registry", "plan", "api",
+        "presets", "registry", "api",
+    },
+    # The memory planner is a tool on top of everything: it traces real transformers models through the
+    # public API and parses --optim-args exactly as the Trainer integration does.
+    "plan": {
+        "utils", "config", "codes", "projection", "kernels", "quant", "engines", "layers", "inject", "optim",
+        "presets", "registry", "api", "integrations",
     },
     "__main__": {"integrations", "config", "registry", "presets"},
 }
-CORE = ("config", "quant", "projection", "layers", "inject", "optim", "kernels", "engines", "api", "plan")
+CORE = ("config", "quant", "projection", "layers", "inject", "optim", "kernels", "engines", "api")
 
 # Third-party packages only some units may import (the rest of the package must run without them).
 THIRD_PARTY = {
-    "transformers": {"integrations"},
+    "transformers": {"integrations", "plan"},
     "accelerate": {"integrations"},
     "peft": {"integrations"},
     "deepspeed": {"engines.deepspeed", "integrations"},

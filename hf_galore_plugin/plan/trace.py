@@ -1,0 +1,519 @@
+"""Trace training steps of a real transformers model under fake tensors and count live bytes.
+
+One trace per method: the model is built from its config inside ``FakeTensorMode`` (no memory is
+allocated, shapes and dtypes are exact), the method's real code prepares it, and three training
+steps run (forward, backward, optimizer step, the method's after-step hook, zero_grad):
+step 0 creates the optimizer state (and is GaLore's calibration step), step 1 is a normal step,
+step 2 a basis refresh (the trace sets the refresh gap to 2; refresh timing does not change what a
+refresh step holds). The peak of live bytes within each step is measured by
+:class:`~hf_galore_plugin.plan.tracker.LiveBytes`; the live set at the peak is split into parts
+by identity: model parameters and buffers (weights; GaLore bases apart), gradients, optimizer
+state, tensors made in the forward and still alive (activations), and the rest (temporaries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .tracker import LiveBytes
+
+__all__ = ["StepPeak", "MethodTrace", "trace_method", "build_fake_model", "DTYPES"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PHASES = ("forward", "backward", "optimizer", "after_step")
+PARTS = ("weights", "grads", "optimizer_state", "bases", "activations", "other")
+
+
+@dataclass
+class StepPeak:
+    peak_bytes: int
+    parts: dict[str, int]
+    phase: str  # forward / backward / optimizer / after_step: where the peak happened
+    largest: list[dict[str, Any]]  # the largest tensors alive at the peak
+
+
+@dataclass
+class MethodTrace:
+    method: str
+    traced: bool
+    # per step (0: first, 1: normal, 2: refresh): the peak of every run (phase, decoder layer or -1)
+    steps: list[list[tuple[str, int, StepPeak]]]
+    notes: list[str] = field(default_factory=list)
+    trainable_grad_bytes: int = 0  # gradients of every trainable parameter (DDP bucket size)
+    largest_layer_param_bytes: int = 0  # one decoder layer's parameters (FSDP/ZeRO-3 gather unit)
+    largest_layer_grad_bytes: int = 0
+
+    def step_peak(self, step: int) -> StepPeak:
+        return max((run[2] for run in self.steps[step]), key=lambda p: p.peak_bytes)
+
+    @property
+    def normal(self) -> StepPeak:
+        """A normal step: step 1 (state exists, no refresh); for methods without refresh, the larger of
+        steps 0 and 1 (step 0 creates the state)."""
+        if self.has_refresh:
+            return self.step_peak(1)
+        return max((self.step_peak(0), self.step_peak(1)), key=lambda p: p.peak_bytes)
+
+    @property
+    def refresh(self) -> StepPeak:
+        """A refresh step: the larger of step 0 (the first basis) and step 2 (a refresh with state)."""
+        if not self.has_refresh:
+            return self.normal
+        return max((self.step_peak(0), self.step_peak(2)), key=lambda p: p.peak_bytes)
+
+    @property
+    def has_refresh(self) -> bool:
+        return self.method not in NO_REFRESH
+
+
+# ---------------------------------------------------------------------- model
+def build_fake_model(config, dtype: torch.dtype, *, gradient_checkpointing: bool) -> nn.Module:
+    """The causal LM of `config` in `dtype`, with fake (shape-only) tensors. Call inside FakeTensorMode."""
+    from transformers import AutoModelForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(previous)
+    model.train()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return list(module)
+    return []
+
+
+_DECODER_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The decoder's linear layers (attention and MLP): the targets of LoRA/QLoRA and galore-torch."""
+    heads = set()
+    get_head = getattr(model, "get_output_embeddings", None)
+    if callable(get_head) and get_head() is not None:
+        heads.add(id(get_head()))
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m) not in heads and ".layers." in f".{name}"
+    ]
+
+
+# ---------------------------------------------------------------------- LoRA / QLoRA layers
+class _NF4LinearFunction(torch.autograd.Function):
+    """y = x W^T with W stored as NF4: the bf16 weight is dequantized in forward and again in
+    backward and never saved (what bitsandbytes' 4-bit matmul does for a frozen base)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        weight = layer.base.dequantize(x.dtype)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight = ctx.layer.base.dequantize(grad_out.dtype)
+        return grad_out @ weight, None
+
+
+class LoRALinear(nn.Module):
+    """The memory layout of peft's LoRA ``Linear`` (``result + B(A(x)) * scaling``, no dropout):
+    frozen base (as loaded, or NF4 with 64-value blocks and double-quantized scales, QLoRA's
+    layout), fp32 adapters (peft's default ``autocast_adapter_dtype=True``) and the input cast to
+    the adapter dtype before the adapter branch, as peft's forward does."""
+
+    def __init__(self, linear: nn.Linear, rank: int, *, nf4: bool) -> None:
+        super().__init__()
+        self.scaling = 2.0
+        self.nf4 = nf4
+        if nf4:
+            from ..quant import quantize
+
+            self.base = quantize(linear.weight.detach(), scheme="nf4", bits=4, block_size=64, double_quant=True)
+            for key, tensor in self.base.to_state()[0].items():
+                self.register_buffer(f"base_{key}", tensor)
+            self.weight = None
+        else:
+            self.weight = linear.weight
+            self.weight.requires_grad_(False)
+        self.bias = linear.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        device = linear.weight.device
+        self.lora_A = nn.Parameter(torch.zeros(rank, linear.in_features, device=device, dtype=torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(linear.out_features, rank, device=device, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nf4:
+            result = _NF4LinearFunction.apply(x, self)
+            if self.bias is not None:
+                result = result + self.bias
+        else:
+            result = F.linear(x, self.weight, self.bias)
+        h = x.to(self.lora_A.dtype)
+        return result + ((h @ self.lora_A.mT) @ self.lora_B.mT * self.scaling).to(result.dtype)
+
+
+def _apply_lora(model: nn.Module, rank: int, *, nf4: bool) -> None:
+    from ..inject import swap_submodule
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, linear in _decoder_linears(model):
+        swap_submodule(model, name, LoRALinear(linear, rank, nf4=nf4))
+    # transformers does this for peft models under gradient checkpointing (enable_input_require_grads):
+    # without it the checkpointed blocks get no input that requires grad.
+    model.enable_input_require_grads()
+
+
+# ---------------------------------------------------------------------- methods
+@dataclass
+class Settings:
+    seq_len: int
+    batch_size: int
+    dtype: torch.dtype
+    gradient_checkpointing: bool
+    device: str  # "cuda": what runs on a GPU; "cpu": exactly what runs on CPU
+    rank: int
+    lora_rank: int
+    optim_args: dict[str, Any]
+
+
+OUR_METHODS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+NO_REFRESH = ("adamw_torch", "adamw_8bit", "lora", "qlora")
+BASELINES = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora")
+LR = 1e-4
+
+
+def _fused_adamw8bit_step(param, grad, *state, **kwargs) -> None:
+    """Memory behaviour of the fused 8-bit AdamW kernel on a GPU: every tensor updated in place,
+    nothing allocated (the Triton kernel and bitsandbytes' blockwise kernel both work in registers)."""
+
+
+def _setup(method: str, model: nn.Module, settings: Settings):
+    """(optimizer, after_step, traced, notes) for `method` on `model` (modified in place)."""
+    notes: list[str] = []
+    if method == "adamw_torch":
+        # foreach is torch's default on CUDA; on CPU torch picks the per-tensor loop.
+        foreach = settings.device == "cuda"
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
+        notes.append(f"torch.optim.AdamW(foreach={foreach}): state in the parameters' dtype")
+        return optimizer, (lambda: None), True, notes
+    if method == "adamw_8bit":
+        from ..optim import AdamW
+
+        # bitsandbytes AdamW8bit's documented layout: two uint8 moments per value, one fp32 absmax per
+        # 256-value block, 32-bit state below 4096 values (min_8bit_size), a fused in-place kernel.
+        optimizer = AdamW(model.parameters(), lr=LR, state_bits=8, block_size=256, min_8bit_numel=4096)
+        notes.append("bitsandbytes layout (2 B/value + fp32 absmax per 256), stepped by this package's AdamW")
+        return optimizer, (lambda: None), False, notes
+    if method == "galore_torch":
+        from galore_torch import GaLoreAdamW
+
+        targets = {id(m.weight) for _, m in _decoder_linears(model)}
+        galore = [p for p in model.parameters() if id(p) in targets]
+        regular = [p for p in model.parameters() if id(p) not in targets]
+        groups = [
+            {"params": regular},
+            {"params": galore, "rank": settings.rank, "update_proj_gap": 2, "scale": 0.25, "proj_type": "std"},
+        ]
+        optimizer = GaLoreAdamW(groups, lr=LR)
+        notes.append("galore_torch.GaLoreAdamW on the decoder's linear layers, dense gradients every step")
+        return optimizer, (lambda: None), True, notes
+    if method in ("lora", "qlora"):
+        _apply_lora(model, settings.lora_rank, nf4=method == "qlora")
+        foreach = settings.device == "cuda"
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, foreach=foreach)
+        notes.append(
+            f"LoRA rank {settings.lora_rank} on every decoder linear layer (peft's layout re-implemented"
+            + (", NF4 base with double-quantized scales" if method == "qlora" else "")
+            + "); embeddings and head frozen"
+        )
+        return optimizer, (lambda: None), False, notes
+    # our presets (and any GaLoreConfig override)
+    from ..config import GaLoreConfig
+    from ..api import after_step, create_optimizer, prepare_model
+
+    overrides = {"rank": settings.rank, **settings.optim_args, "update_proj_gap": 2}
+    overrides.pop("max_proj_gap", None)
+    config = GaLoreConfig.preset(method, **overrides)
+    prepare_model(model, config)
+    optimizer = create_optimizer(model, config, lr=LR)
+    notes.append("traced: hf_galore_plugin layers and AdamW")
+    return optimizer, (lambda: after_step(model, optimizer)), True, notes
+
+
+@contextlib.contextmanager
+def _device_semantics(device: str):
+    """Make the traced code take the code path of `device`'s kernels."""
+    from ..kernels.adamw8bit import dynamic_code_book
+    from ..optim import functional
+    from ..codes import grid_table
+
+    # Code books are cached per device on first use: build them from real tensors before any fake
+    # tensor exists, so the cache never holds a fake tensor (fake mode reads real constants).
+    grid_table(torch.device("cpu"))
+    dynamic_code_book(signed=True)
+    dynamic_code_book(signed=False)
+    old_env = os.environ.get("HF_GALORE_DISABLE_TRITON")
+    os.environ["HF_GALORE_DISABLE_TRITON"] = "1"  # fake tensors cannot enter a Triton kernel
+    old_step = functional.adamw8bit_step
+    if device == "cuda":
+        functional.adamw8bit_step = _fused_adamw8bit_step
+    try:
+        yield
+    finally:
+        functional.adamw8bit_step = old_step
+        if old_env is None:
+            os.environ.pop("HF_GALORE_DISABLE_TRITON", None)
+        else:
+            os.environ["HF_GALORE_DISABLE_TRITON"] = old_env
+
+
+def _state_tensors(state: dict) -> list:
+    out: list = []
+    for item in state.values():
+        _tensors_in(item.ortho_matrix if hasattr(item, "ortho_matrix") else item, out)
+    return out
+
+
+def _tensors_in(obj, out: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors_in(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors_in(v, out)
+
+
+class _Roles:
+    """Serial numbers of the storages that play each role, collected around every step."""
+
+    def __init__(self, tracker: LiveBytes) -> None:
+        self.tracker = tracker
+        self.sets: dict[str, set[int]] = {k: set() for k in ("weights", "bases", "grads", "optimizer_state")}
+
+    def _add(self, role: str, tensors) -> None:
+        for t in tensors:
+            serial = self.tracker.serial_of(t)
+            if serial is not None:
+                self.sets[role].add(serial)
+
+    def _regions(self, model: nn.Module, optimizer, grads_of) -> None:
+        owner: dict[int, int] = {}
+        for index, layer in enumerate(_decoder_layers(model)):
+            tensors = list(layer.parameters()) + list(layer.buffers())
+            tensors += [getattr(m, "_pending_grad", None) for m in layer.modules()]
+            for p in layer.parameters():
+                tensors.append(p.grad)
+                _tensors_in(_state_tensors(optimizer.state.get(p, {})), tensors)
+            for t in tensors:
+                serial = self.tracker.serial_of(t)
+                if serial is not None:
+                    owner[serial] = index
+        self.tracker.region_of.update(owner)
+        others = list(model.parameters()) + list(model.buffers()) + grads_of
+        for p in model.parameters():
+            _tensors_in(_state_tensors(optimizer.state.get(p, {})), others)
+        for t in others:
+            serial = self.tracker.serial_of(t)
+            if serial is not None and serial not in owner:
+                self.tracker.unowned.add(serial)
+
+    def collect(self, model: nn.Module, optimizer) -> None:
+        bases, weights = [], []
+        for name, buf in model.named_buffers():
+            (bases if "galore_basis_" in name else weights).append(buf)
+        weights += list(model.parameters())
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads += [getattr(m, "_pending_grad", None) for m in model.modules()]
+        state: list[torch.Tensor] = []
+        projector_bases: list[torch.Tensor] = []
+        for value in optimizer.state.values():
+            for item in value.values():
+                if hasattr(item, "ortho_matrix"):  # galore-torch keeps its projection basis in the state
+                    _tensors_in(item.ortho_matrix, projector_bases)
+                else:
+                    _tensors_in(item, state)
+        self._add("bases", bases + projector_bases)
+        self._add("weights", weights)
+        self._add("grads", grads)
+        self._add("optimizer_state", state)
+        self._regions(model, optimizer, grads)
+
+    def split(self, live) -> dict[str, int]:
+        parts = dict.fromkeys(PARTS, 0)
+        for entry in live.values():
+            for role in ("bases", "weights", "grads", "optimizer_state"):
+                if entry.serial in self.sets[role]:
+                    parts[role] += entry.nbytes
+                    break
+            else:
+                parts["activations" if entry.phase == "forward" else "other"] += entry.nbytes
+        return parts
+
+    def largest(self, live, count: int = 5) -> list[dict[str, Any]]:
+        rows = sorted(live.values(), key=lambda e: -e.nbytes)[:count]
+        out = []
+        for e in rows:
+            role = next((r for r in self.sets if e.serial in self.sets[r]), None)
+            role = role or ("activations" if e.phase == "forward" else "other")
+            out.append({"shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch."), "bytes": e.nbytes,
+                        "part": role, "made_in": e.phase})  # fmt: skip
+        return out
+
+
+def trace_method(config, method: str, settings: Settings, *, fake: bool = True) -> MethodTrace:
+    """Trace steps 0-2 of `method` on the model of `config`; see the module docstring.
+
+    fake=False runs the same steps on real tensors (a real CPU run measured by the same
+    accounting: what the planner is validated against).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tracker = LiveBytes(scalar_fallback=fake)
+    roles = _Roles(tracker)
+    steps: list[dict[str, StepPeak]] = []
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    if not fake:
+        torch.manual_seed(0)
+    with _device_semantics(settings.device), mode, tracker:
+        model = build_fake_model(config, settings.dtype, gradient_checkpointing=settings.gradient_checkpointing)
+        for t in list(model.parameters()) + list(model.buffers()):
+            tracker.track(t)
+        optimizer, after, traced, notes = _setup(method, model, settings)
+        ids = torch.randint(0, config.vocab_size, (settings.batch_size, settings.seq_len))
+        # Methods without a basis refresh need steps 0 (state created) and 1 (normal) only.
+        for _ in range(2 if method in NO_REFRESH else 3):
+            roles.collect(model, optimizer)
+            tracker.runs = []
+
+            def phase(name: str) -> None:
+                tracker.close_run()
+                tracker.phase = name
+
+            phase("forward")
+            loss = model(input_ids=ids, labels=ids).loss
+            phase("backward")
+            loss.backward()
+            del loss
+            roles.collect(model, optimizer)
+            phase("optimizer")
+            optimizer.step()
+            roles.collect(model, optimizer)
+            phase("after_step")
+            after()
+            roles.collect(model, optimizer)
+            phase("zero_grad")
+            steps.append([
+                (name, region, StepPeak(peak, roles.split(live), name, roles.largest(live)))
+                for name, region, peak, live in tracker.runs if name in PHASES
+            ])  # fmt: skip
+            optimizer.zero_grad(set_to_none=True)
+        trainable_grad = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        layers = _decoder_layers(model)
+        layer_params = max((sum(_nbytes(t) for t in m.parameters()) + sum(_nbytes(b) for b in m.buffers())
+                            for m in layers), default=0)  # fmt: skip
+        layer_grads = max(
+            (sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in layers), default=0
+        )
+    return MethodTrace(method, traced, steps, notes, trainable_grad, layer_params, layer_grads)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _affine(a: int, b: int, extra: int) -> int:
+    return b + extra * (b - a)
+
+
+def _keyed_runs(runs, layers: int) -> dict[tuple, StepPeak]:
+    """Runs keyed by what they are in any layer count: phase, number of non-layer runs before it in
+    the phase, and position: 'x' (no layer), first/second/second-last/last layer ('i0', 'i1', 'j1',
+    'j0'); middle layers ('mid') are affine in their index, so they never exceed the ends."""
+    keyed: dict[tuple, StepPeak] = {}
+    x_count: dict[str, int] = {}
+    for phase, region, peak in runs:
+        if region < 0:
+            position = "x"
+            x_count[phase] = x_count.get(phase, 0) + 1
+        else:
+            position = {0: "i0", 1: "i1", layers - 2: "j1", layers - 1: "j0"}.get(region, "mid")
+            if position == "mid":
+                continue
+        key = (phase, x_count.get(phase, 0), position)
+        if key not in keyed or peak.peak_bytes > keyed[key].peak_bytes:
+            keyed[key] = peak
+    return keyed
+
+
+def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 4) -> MethodTrace:
+    """The trace of the full model computed from traces with `base_layers` and `base_layers + 1`
+    decoder layers.
+
+    Decoder layers are identical (same shapes, same code, run one after another), so the bytes
+    alive at a given point of a step are affine in the number of layers L: per-layer tensors
+    (weights, gradients, state, checkpoints, recorded refresh gradients) add a fixed amount per
+    layer, everything else (embeddings, head, loss, the temporaries of the layer at work) does
+    not depend on L. The tracker splits each step into runs by phase and by the decoder layer
+    whose tensors the ops read; the peak of each run that exists in every layer count (non-layer
+    runs, the first two and last two layers) is extrapolated from the two traces, and the step's
+    peak is the largest of them. tests/test_plan.py checks the result against full traces.
+    """
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers <= base_layers + 1:
+        return trace_method(config, method, settings)
+    small = [trace_method(_with_layers(config, n), method, settings) for n in (base_layers, base_layers + 1)]
+    extra = layers - base_layers - 1
+    steps = []
+    for a_runs, b_runs in zip(small[0].steps, small[1].steps):
+        a_keyed, b_keyed = _keyed_runs(a_runs, base_layers), _keyed_runs(b_runs, base_layers + 1)
+        if set(a_keyed) != set(b_keyed):
+            # The step is not the same sequence of runs at both depths (a model whose layers differ):
+            # scaling does not apply, so the whole model is traced.
+            full = trace_method(config, method, settings)
+            full.notes.append(f"layers are not identical ({base_layers} vs {base_layers + 1} layers differ): full trace")
+            return full
+        step = []
+        for key, b in b_keyed.items():
+            a = a_keyed[key]
+            parts = {k: _affine(a.parts[k], b.parts[k], extra) for k in b.parts}
+            step.append((key[0], -1, StepPeak(_affine(a.peak_bytes, b.peak_bytes, extra), parts, key[0], b.largest)))
+        steps.append(step)
+    a, b = small
+    notes = b.notes + [
+        f"traced with {base_layers} and {base_layers + 1} decoder layers, scaled to {layers} (identical layers)"
+    ]
+    return MethodTrace(
+        method, b.traced, steps, notes, _affine(a.trainable_grad_bytes, b.trainable_grad_bytes, extra),
+        b.largest_layer_param_bytes, b.largest_layer_grad_bytes,
+    )  # fmt: skip
+
+
+def _with_layers(config, layers: int):
+    import copy
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    for key in ("layer_types",):  # per-layer lists (e.g. attention kinds) follow the layer count
+        value = getattr(config, key, None)
+        if isinstance(value, list) and value:
+            setattr(config, key, value[:layers])
+    return config

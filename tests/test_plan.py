@@ -1,0 +1,134 @@
+"""The memory planner (hf_galore_plugin.plan) against real CPU steps, full traces and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig  # noqa: E402
+
+from hf_galore_plugin.plan import estimate  # noqa: E402
+from hf_galore_plugin.plan.__main__ import main  # noqa: E402
+from hf_galore_plugin.plan.trace import Settings, scaled_trace, trace_method  # noqa: E402
+from hf_galore_plugin.plan.tracker import LiveBytes  # noqa: E402
+
+
+def _llama(hidden, inter, layers, vocab, heads=4, kv=4):
+    return LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab)  # fmt: skip
+
+
+def test_tracker_counts_live_bytes_exactly():
+    # Oracle: the bytes of a hand-written program. a (4000 B) lives throughout; b = a * 2 (4000 B)
+    # dies before c (400 B) is made; the peak is a + b.
+    with LiveBytes() as tracker:
+        a = torch.ones(1000)
+        b = a * 2
+        view = b[:10]  # a view shares b's storage: no new bytes
+        del b
+        assert tracker.total == 8000  # b's storage is still held by the view
+        del view
+        c = torch.zeros(100)
+    assert (tracker.total, tracker.peak) == (4400, 8000)
+    del a, c
+
+
+# Two small models: 1.5M parameters (fp32) and 5.7M parameters (bf16, mostly embeddings, as in real LMs). The
+# plan (fake tensors) must match the real CPU step measured by the same accounting within 5% (it matches
+# exactly: the same code runs). benchmarks/plan_tables.py covers the large shapes.
+CASES = [
+    pytest.param(_llama(128, 344, 2, 4000), torch.float32, ("adamw_torch", "qgalore_adamw_8bit"), 32, id="1.5M-fp32"),
+    pytest.param(_llama(256, 688, 2, 8000), torch.bfloat16, ("galore_adamw",), 64, id="5.7M-bf16"),
+]
+
+
+@pytest.mark.parametrize("config, dtype, methods, rank", CASES)
+def test_plan_matches_real_cpu_step(config, dtype, methods, rank):
+    settings = Settings(seq_len=32, batch_size=2, dtype=dtype, gradient_checkpointing=True, device="cpu",
+                        rank=rank, lora_rank=8, optim_args={})  # fmt: skip
+    for method in methods:
+        plan = trace_method(config, method, settings)
+        real = trace_method(config, method, settings, fake=False)
+        for which in ("normal", "refresh"):
+            planned, measured = getattr(plan, which), getattr(real, which)
+            assert abs(planned.peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes, (method, which)
+            assert planned.phase == measured.phase, (method, which)
+        assert plan.refresh.peak_bytes >= plan.normal.peak_bytes
+
+
+@pytest.mark.parametrize("method", ["adamw_torch", "galore_adamw_8bit"])
+def test_scaled_trace_equals_full_trace(method):
+    # Scaling from 4 and 5 traced layers must reproduce the full 6-layer trace exactly.
+    config = _llama(64, 176, 6, 512, kv=2)
+    settings = Settings(seq_len=16, batch_size=2, dtype=torch.bfloat16, gradient_checkpointing=True,
+                        device="cuda", rank=16, lora_rank=8, optim_args={})  # fmt: skip
+    full, scaled = trace_method(config, method, settings), scaled_trace(config, method, settings)
+    for which in ("normal", "refresh"):
+        assert getattr(scaled, which).peak_bytes == getattr(full, which).peak_bytes
+        assert getattr(scaled, which).parts == getattr(full, which).parts
+
+
+def test_json_schema_and_plot(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(_llama(64, 176, 2, 512).to_json_string())
+    png = tmp_path / "plan.png"
+    assert main(["--config", str(config), "--methods", "galore_adamw,adamw_8bit", "--seq-len", "16", "--rank", "16",
+                 "--optim-args", "weight_storage=nf4", "--json", "--plot", str(png)]) == 0  # fmt: skip
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["params"] == 2 * 512 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64) + 64
+    assert plan["settings"]["optim_args"] == {"weight_storage": "nf4"}
+    for name, traced in (("galore_adamw", True), ("adamw_8bit", False)):
+        m = plan["methods"][name]
+        assert m["traced"] is traced
+        assert set(m["parts"]) == {"weights", "grads", "optimizer_state", "bases", "activations", "other"}
+        assert sum(m["parts"].values()) == m["peak_bytes"] > 0
+        assert isinstance(m["refresh_peak_bytes"], int)
+    assert plan["methods"]["adamw_8bit"]["refresh_peak_bytes"] == plan["methods"]["adamw_8bit"]["peak_bytes"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_engine_rules_shard_state(monkeypatch):
+    # Per-rank rules applied to the traced parts: ZeRO-2 divides gradients and state, ZeRO-3 also weights.
+    import hf_galore_plugin.plan as plan_module
+
+    config = _llama(64, 176, 2, 512)
+    monkeypatch.setattr(plan_module, "load_config", lambda model, config_path: config)
+    kw = dict(model="tiny", methods=["adamw_torch"], seq_len=16, rank=16)
+    single = estimate(**kw)["methods"]["adamw_torch"]
+    zero2 = estimate(world_size=4, engine="zero2", **kw)["methods"]["adamw_torch"]
+    zero3 = estimate(world_size=4, engine="zero3", **kw)["methods"]["adamw_torch"]
+    for key in ("grads", "optimizer_state"):
+        assert zero2["parts"][key] == zero3["parts"][key] == -(-single["parts"][key] // 4)
+    assert zero2["parts"]["weights"] == single["parts"]["weights"]
+    assert zero3["parts"]["weights"] == -(-single["parts"]["weights"] // 4)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config", "/nonexistent/config.json"], "does not exist"),
+        (["--model", "llama-9000"], "unknown model 'llama-9000'"),
+        (["--model", "llama-2-7b", "--methods", "sgd"], "unknown method 'sgd'"),
+        (["--model", "llama-2-7b", "--seq-len", "-5"], "--seq-len must be a positive integer"),
+        (["--model", "llama-2-7b", "--batch-size", "0"], "--batch-size must be a positive integer"),
+        (["--model", "llama-2-7b", "--optim-args", "rank=-1"], "rank"),
+        (["--model", "llama-2-7b", "--engine", "fsdp9"], "--engine 'fsdp9'"),
+        (["--model", "llama-2-7b", "--dtype", "int3"], "--dtype 'int3'"),
+        ([], "exactly one of --model"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_cli_rejects_config_that_is_not_a_causal_lm(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "vit", "hidden_size": 64}))
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a causal language model" in err and len(err.splitlines()) == 1
