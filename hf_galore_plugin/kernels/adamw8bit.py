@@ -29,15 +29,26 @@ residual it sticks to its code and that, not the first moment, dominates the err
 problem, lr 1e-3: no feedback 5.7%, first-moment residual only 5.6%, second-moment only 0.62%,
 both 0.03% deviation from fp32. Cost: 1 byte + 4/block_size per value per moment.
 
-Nearest-code search is `index = #(midpoints < y)` over the 255 midpoints between neighbouring
-code values; both the kernel (branchless binary search, 8 gathers) and the twin
-(`torch.searchsorted`) compare the same fp32 midpoints, so they give identical codes except
-where rounding of y itself differs.
+Nearest-code search: index = #(midpoints < y) over the 255 fp32 midpoints between neighbouring
+code values, found without a search by a table over y's fp32 bit pattern (`nearest_code_index`):
+the sign, the exponent and the top 8 mantissa bits of y pick a bucket of y values; the table holds
+c = #(midpoints < smallest y of the bucket), and as no bucket holds more than one midpoint (asserted
+when the table is built: buckets are <= 2**-8 relative wide, code values >= 0.7% apart),
+index = c + (midpoints[c] < y), exactly. The twin, its compiled form and the Triton kernel all use
+this rule, so they give identical codes wherever y itself rounds identically.
+
+CPU speed: the twin is one function over (blocks, block_size) tiles; on tensors of at least
+`COMPILE_MIN_NUMEL` values it runs through `torch.compile` (inductor emits one vectorized C++ loop
+nest instead of ~40 passes over memory). The compiled form is bit-identical to the eager one
+(tests/test_optim.py checks it); where compilation fails (no C++ compiler, an unsupported torch) the
+eager twin runs and one warning says why; `HF_GALORE_COMPILE=0` turns compilation off.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import torch
 
@@ -45,6 +56,8 @@ from hf_galore_plugin.utils import is_triton_available, use_triton
 
 __all__ = [
     "dynamic_code_book",
+    "code_lookup_table",
+    "nearest_code_index",
     "quantize_blockwise",
     "dequantize_blockwise",
     "quantize_moment",
@@ -86,6 +99,56 @@ def dynamic_code_book(*, signed: bool, device: torch.device | str = "cpu") -> tu
     return _code_book_cached(signed, torch.device(device))
 
 
+# Bucket of y: sign, exponent and the top LOOKUP_MANTISSA_BITS mantissa bits of its fp32 pattern.
+# |y| below 2**LOOKUP_MIN_EXPONENT shares the first bucket (the smallest midpoint, 5e-8 ~ 2**-24.3,
+# is far above it), |y| >= 2 the last (normalized values are in [-1, 1]).
+LOOKUP_MANTISSA_BITS = 8
+LOOKUP_MIN_EXPONENT = -32
+LOOKUP_SHIFT = 23 - LOOKUP_MANTISSA_BITS
+LOOKUP_BASE = (127 + LOOKUP_MIN_EXPONENT) << LOOKUP_MANTISSA_BITS
+LOOKUP_BUCKETS = (1 - LOOKUP_MIN_EXPONENT) << LOOKUP_MANTISSA_BITS  # per sign
+
+
+@functools.lru_cache(maxsize=None)
+def _code_lookup_cached(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    _, midpoints = _code_book_cached(signed, torch.device("cpu"))
+    keys = torch.arange(LOOKUP_BUCKETS, dtype=torch.int64) + LOOKUP_BASE
+    first = (keys << LOOKUP_SHIFT).to(torch.int32).view(torch.float32)  # smallest |y| of each bucket
+    last = (((keys + 1) << LOOKUP_SHIFT) - 1).to(torch.int32).view(torch.float32)  # largest |y|
+    first[0] = 0.0  # the first bucket also holds every smaller |y|
+    # Positive buckets span y in [first, last], negative ones y in [-last, -first].
+    lowest, highest = torch.cat([first, -last]), torch.cat([last, -first])
+    table = torch.searchsorted(midpoints, lowest)  # #(midpoints < lowest y)
+    extra = torch.searchsorted(midpoints, highest) - table
+    if int(extra.max()) > 1:  # a property of the code book; guards against a future book change
+        raise AssertionError(f"code lookup: a bucket holds {int(extra.max())} midpoints; use more mantissa bits")
+    padded = torch.cat([midpoints, torch.tensor([float("inf")])])  # midpoints[255] = inf: never below y
+    return table.to(torch.int32).to(device), padded.to(device)
+
+
+def code_lookup_table(*, signed: bool, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, padded midpoints) of `nearest_code_index`: int32 [2 * LOOKUP_BUCKETS] (positive y's
+    buckets, then negative y's) and the 255 fp32 midpoints followed by +inf."""
+    return _code_lookup_cached(signed, torch.device(device))
+
+
+def _lookup_index(
+    normalized: torch.Tensor, table: torch.Tensor, midpoints: torch.Tensor
+) -> torch.Tensor:
+    """int64 #(midpoints < y) for fp32 `normalized`, through the bucket table (NaN gives 0 or 255)."""
+    bits = normalized.view(torch.int32)
+    key = ((bits & 0x7FFFFFFF) >> LOOKUP_SHIFT) - LOOKUP_BASE
+    key = key.clamp(0, LOOKUP_BUCKETS - 1) + torch.where(bits < 0, LOOKUP_BUCKETS, 0)
+    first = table[key.long()].long()
+    return first + (midpoints[first] < normalized).long()
+
+
+def nearest_code_index(normalized: torch.Tensor, *, signed: bool) -> torch.Tensor:
+    """Code-book index (0..255) of the nearest code value to each fp32 value: #(midpoints < value)."""
+    table, midpoints = code_lookup_table(signed=signed, device=normalized.device)
+    return _lookup_index(normalized.float().contiguous(), table, midpoints)
+
+
 def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
     """View `flat` as (n_blocks, block_size), zero-padding the last block (padding never wins absmax)."""
     pad = -flat.numel() % block_size
@@ -99,11 +162,10 @@ def quantize_blockwise(
 ) -> None:
     """Write the nearest-code quantization of flat fp32 `values` into `codes_out` and `scales_out`."""
     n = values.numel()
-    _, midpoints = dynamic_code_book(signed=signed, device=values.device)
     blocks = _blocks(values.float(), block_size)
     absmax = blocks.abs().amax(dim=1, keepdim=True)
     normalized = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    index = torch.searchsorted(midpoints, normalized.reshape(-1))[:n]
+    index = nearest_code_index(normalized.reshape(-1), signed=signed)[:n]
     if signed:
         codes_out.copy_((index - _SIGNED_OFFSET).to(torch.int8))
     else:
@@ -194,6 +256,97 @@ def quantize_moment(
         )
 
 
+# Order of the per-step scalars in the fp32 tensor `_step_blocks` receives.
+_SCALARS = (
+    "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2",
+    "step_size", "bias_correction2_sqrt", "sq_floor", "eps",
+)  # fmt: skip
+# Below this many values the compiled call's fixed cost (~0.1 ms of guards and launch) is not worth it.
+COMPILE_MIN_NUMEL = 1 << 16
+
+
+def _dequantize_tile(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tensor:
+    index = codes.long() + _SIGNED_OFFSET if signed else codes.long()
+    return book[index] * scales.unsqueeze(1)
+
+
+def _quantize_tile(
+    value: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, book, table, midpoints, signed: bool
+) -> torch.Tensor:
+    """Store (rows, width) fp32 `value` rowwise as codes + absmax scales; returns the stored values."""
+    absmax = value.abs().amax(dim=1)
+    normalized = value / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)
+    index = _lookup_index(normalized, table, midpoints)
+    codes.copy_(index - _SIGNED_OFFSET if signed else index)
+    scales.copy_(absmax)
+    return book[index] * absmax.unsqueeze(1)
+
+
+def _step_blocks(
+    param, grad, m_codes, m_scales, v_codes, v_scales, mr_codes, mr_scales, vr_codes, vr_scales,
+    scalars, signed_book, signed_table, signed_mid, unsigned_book, unsigned_table, unsigned_mid, compiled=False,
+):  # fmt: skip
+    """The 8-bit AdamW step on (rows, width) tiles, one quantization block per row, all in place.
+
+    Scales are 1-D (rows,); residual arguments are all None without error feedback; `scalars` is the
+    fp32 tensor of `_SCALARS`. Every product and sum is a separate fp32 operation (no fused
+    multiply-add) and the square root is correctly rounded, as in the Triton kernel (`sqrt_rn`).
+    `compiled`: inductor's fp32 sqrt is the correctly rounded vector instruction; eager torch's CPU
+    fp32 sqrt is not (measured: 1 ulp off on ~20% of values), so eager takes it in fp64 and rounds
+    once, which gives the correctly rounded fp32 root (fp64 has more than 2 * 24 + 2 bits)."""
+    decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, sq_floor, eps = scalars.unbind()
+    g = grad.float()
+    exp_avg = _dequantize_tile(m_codes, m_scales, signed_book, True)
+    exp_avg_sq = _dequantize_tile(v_codes, v_scales, unsigned_book, False)
+    if mr_codes is not None:
+        exp_avg = exp_avg + _dequantize_tile(mr_codes, mr_scales, signed_book, True)
+        exp_avg_sq = exp_avg_sq + _dequantize_tile(vr_codes, vr_scales, signed_book, True)
+    # A residual-corrected v can dip a hair below 0 where v itself is ~0; sqrt needs >= 0.
+    exp_avg_sq = exp_avg_sq.clamp_min(0.0)
+    # A second moment stored as 0 next to a first moment that is not: the coordinate's statistics fell
+    # below the code map's resolution. Its momentum is dropped with it (see second_moment_floor).
+    exp_avg = torch.where(exp_avg_sq > 0, exp_avg, 0.0)
+    exp_avg = beta1 * exp_avg + one_minus_beta1 * g
+    exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * (g * g)
+    exp_avg_sq = torch.maximum(exp_avg_sq, sq_floor * (exp_avg * exp_avg))
+    root = exp_avg_sq.sqrt() if compiled else exp_avg_sq.double().sqrt().float()
+    denom = root / bc2_sqrt + eps
+    param.copy_(param.float() * decay - step_size * (exp_avg / denom))
+    m_stored = _quantize_tile(exp_avg, m_codes, m_scales, signed_book, signed_table, signed_mid, True)
+    v_stored = _quantize_tile(exp_avg_sq, v_codes, v_scales, unsigned_book, unsigned_table, unsigned_mid, False)
+    if mr_codes is not None:
+        _quantize_tile(exp_avg - m_stored, mr_codes, mr_scales, signed_book, signed_table, signed_mid, True)
+        _quantize_tile(exp_avg_sq - v_stored, vr_codes, vr_scales, signed_book, signed_table, signed_mid, True)
+
+
+_compiled_step_blocks = None
+_compile_failure: str | None = None
+
+
+def _compile_enabled() -> bool:
+    return os.environ.get("HF_GALORE_COMPILE", "1") != "0" and _compile_failure is None
+
+
+def _run_compiled(*args) -> bool:
+    """Run `_step_blocks` compiled; False (after one warning) where compilation is unavailable."""
+    global _compiled_step_blocks, _compile_failure
+    try:
+        if _compiled_step_blocks is None:
+            # dynamic: one graph for every size; fullgraph: a graph break would silently cost the speed.
+            _compiled_step_blocks = torch.compile(_step_blocks, dynamic=True, fullgraph=True)
+        _compiled_step_blocks(*args, compiled=True)
+        return True
+    except Exception as error:  # compilation errors surface at the first call
+        _compile_failure = f"{type(error).__name__}: {error}".splitlines()[0]
+        warnings.warn(
+            f"hf_galore_plugin: torch.compile of the 8-bit AdamW step failed ({_compile_failure}); "
+            "using the eager torch step (same results, ~10x slower). Set HF_GALORE_COMPILE=0 to skip the attempt.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+
 def adamw8bit_step_torch(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -213,41 +366,48 @@ def adamw8bit_step_torch(
     eps: float,
     weight_decay: float,
     block_size: int,
+    compile: bool | None = None,
 ) -> None:
     """One AdamW step on flat contiguous tensors with 8-bit blockwise moments, all in place.
 
     `param` (any float dtype) and `grad` are 1-D of n values; codes are int8 (first moment) /
     uint8 (second moment) of n values; scales are fp32 of ceil(n / block_size) blocks. The
     residual tensors are all None (no error feedback) or all given (int8 codes + fp32 scales).
-    Math is fp32; the parameter is written back in its own dtype.
+    Math is fp32; the parameter is written back in its own dtype. `compile`: run the full blocks
+    through `torch.compile` (None: when n >= COMPILE_MIN_NUMEL and compilation is enabled).
     """
+    n = param.numel()
+    if n == 0:
+        return
     s = adam_step_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-    g = grad.float()
-    exp_avg = dequantize_moment(
-        exp_avg_codes, exp_avg_scales, exp_avg_residual_codes, exp_avg_residual_scales, block_size=block_size
-    )
-    exp_avg_sq = dequantize_moment(
-        exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
-        block_size=block_size,
-    )
-    # A residual-corrected v can dip a hair below 0 where v itself is ~0; sqrt needs >= 0.
-    exp_avg_sq = exp_avg_sq.clamp_min(0.0)
-    # A second moment stored as 0 next to a first moment that is not: the coordinate's statistics fell
-    # below the code map's resolution. Its momentum is dropped with it (see second_moment_floor).
-    exp_avg = torch.where(exp_avg_sq > 0, exp_avg, 0.0)
-    exp_avg = s["beta1"] * exp_avg + s["one_minus_beta1"] * g
-    exp_avg_sq = s["beta2"] * exp_avg_sq + s["one_minus_beta2"] * (g * g)
-    exp_avg_sq = torch.maximum(exp_avg_sq, s["sq_floor"] * (exp_avg * exp_avg))
-    denom = exp_avg_sq.sqrt() / s["bias_correction2_sqrt"] + eps
-    updated = param.float() * s["decay"] - s["step_size"] * (exp_avg / denom)
-    param.copy_(updated)
-    quantize_moment(
-        exp_avg, exp_avg_codes, exp_avg_scales, exp_avg_residual_codes, exp_avg_residual_scales, block_size=block_size
-    )
-    quantize_moment(
-        exp_avg_sq, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
-        block_size=block_size,
-    )
+    s["eps"] = eps
+    device = param.device
+    scalars = torch.tensor([s[k] for k in _SCALARS], dtype=torch.float32, device=device)
+    books = (
+        *(dynamic_code_book(signed=True, device=device)[:1]), *code_lookup_table(signed=True, device=device),
+        *(dynamic_code_book(signed=False, device=device)[:1]), *code_lookup_table(signed=False, device=device),
+    )  # fmt: skip
+    flat = (
+        param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
+        exp_avg_residual_codes, exp_avg_residual_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
+    )  # fmt: skip
+    full = n // block_size
+    # Blocks are independent: full blocks as one (full, block_size) tile, the partial last block as (1, rest).
+    for rows, begin, end in ((full, 0, full * block_size), (1, full * block_size, n)):
+        if end <= begin:
+            continue
+        width = (end - begin) // rows
+        first_block = begin // block_size
+        tiles = [
+            None if t is None
+            else t[first_block:first_block + rows] if i % 2 == 1 and i > 1
+            else t[begin:end].view(rows, width)
+            for i, t in enumerate(flat)
+        ]  # fmt: skip
+        use_compiled = compile if compile is not None else (rows * width >= COMPILE_MIN_NUMEL and _compile_enabled())
+        if use_compiled and rows > 1 and _run_compiled(*tiles, scalars, *books):
+            continue
+        _step_blocks(*tiles, scalars, *books)
 
 
 if is_triton_available():
