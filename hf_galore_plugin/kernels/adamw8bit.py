@@ -410,35 +410,47 @@ def adamw8bit_step_torch(
         _step_blocks(*tiles, scalars, *books)
 
 
+# Values per Triton program: ROWS = _TILE_VALUES // block_size blocks as one [ROWS, BLOCK] tile, so a
+# 256-value block does not leave a GPU program 1 KB of work (and the interpreter runs few programs).
+_TILE_VALUES = 2048
+
 if is_triton_available():
     import triton
     import triton.language as tl
 
+    _LOOKUP_SHIFT = tl.constexpr(LOOKUP_SHIFT)  # a jit function reads only constexpr globals
+    _LOOKUP_BASE = tl.constexpr(LOOKUP_BASE)
+    _LOOKUP_BUCKETS = tl.constexpr(LOOKUP_BUCKETS)
+
     @triton.jit
-    def _load_moment(codes_ptr, scales_ptr, book_ptr, block, offsets, mask, SIGNED: tl.constexpr):
+    def _load_moment(codes_ptr, scales_ptr, book_ptr, rows, row_mask, offsets, mask, SIGNED: tl.constexpr):
         index = tl.load(codes_ptr + offsets, mask=mask, other=0).to(tl.int32)
         if SIGNED:
             index = index + 128
-        return tl.load(book_ptr + index) * tl.load(scales_ptr + block)
+        scale = tl.load(scales_ptr + rows, mask=row_mask, other=0.0)
+        return tl.load(book_ptr + index) * scale[:, None]
 
     @triton.jit
-    def _store_moment(value, codes_ptr, scales_ptr, midpoints_ptr, block, offsets, mask, SIGNED: tl.constexpr):
-        """Quantize one block to the nearest code; returns (code-book index, block absmax).
+    def _store_moment(
+        value, codes_ptr, scales_ptr, table_ptr, mid_ptr, rows, row_mask, offsets, mask, SIGNED: tl.constexpr
+    ):
+        """Quantize each row (block) of the tile to the nearest code; returns (code-book index, row absmax).
 
         The caller dequantizes from these registers: reading the scale back from memory right after
         this store would race on a GPU (threads of one program are not ordered without a barrier)."""
-        absmax = tl.max(tl.where(mask, tl.abs(value), 0.0), axis=0)
-        normalized = tl.div_rn(value, tl.where(absmax > 0.0, absmax, 1.0))
-        # Branchless lower bound over the 255 sorted midpoints: index = #(midpoints < normalized).
-        index = tl.zeros(value.shape, dtype=tl.int32)
-        for bit in tl.static_range(7, -1, -1):
-            probe = tl.load(midpoints_ptr + index + ((1 << bit) - 1))
-            index = tl.where(normalized > probe, index + (1 << bit), index)
+        absmax = tl.max(tl.where(mask, tl.abs(value), 0.0), axis=1)
+        normalized = tl.div_rn(value, tl.where(absmax > 0.0, absmax, 1.0)[:, None])
+        # index = #(midpoints < normalized) from the bucket table (see nearest_code_index): 2 gathers.
+        bits = normalized.to(tl.int32, bitcast=True)
+        key = ((bits & 0x7FFFFFFF) >> _LOOKUP_SHIFT) - _LOOKUP_BASE
+        key = tl.minimum(tl.maximum(key, 0), _LOOKUP_BUCKETS - 1) + tl.where(bits < 0, _LOOKUP_BUCKETS, 0)
+        first = tl.load(table_ptr + key)
+        index = first + (tl.load(mid_ptr + first) < normalized).to(tl.int32)
         if SIGNED:
             tl.store(codes_ptr + offsets, (index - 128).to(tl.int8), mask=mask)
         else:
             tl.store(codes_ptr + offsets, index.to(tl.uint8), mask=mask)
-        tl.store(scales_ptr + block, absmax)
+        tl.store(scales_ptr + rows, absmax, mask=row_mask)
         return index, absmax
 
     @triton.jit
@@ -454,10 +466,13 @@ if is_triton_available():
         vr_codes_ptr,
         vr_scales_ptr,
         signed_book_ptr,
+        signed_table_ptr,
         signed_mid_ptr,
         unsigned_book_ptr,
+        unsigned_table_ptr,
         unsigned_mid_ptr,
         n_elements,
+        n_blocks,
         decay,
         beta1,
         one_minus_beta1,
@@ -468,19 +483,21 @@ if is_triton_available():
         sq_floor,
         eps,
         BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
         ERROR_FEEDBACK: tl.constexpr,
     ):
-        block = tl.program_id(0).to(tl.int64)
-        offsets = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        row_mask = rows < n_blocks
+        offsets = rows[:, None] * BLOCK + tl.arange(0, BLOCK).to(tl.int64)[None, :]
         mask = offsets < n_elements
 
         p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        m = _load_moment(m_codes_ptr, m_scales_ptr, signed_book_ptr, block, offsets, mask, True)
-        v = _load_moment(v_codes_ptr, v_scales_ptr, unsigned_book_ptr, block, offsets, mask, False)
+        m = _load_moment(m_codes_ptr, m_scales_ptr, signed_book_ptr, rows, row_mask, offsets, mask, True)
+        v = _load_moment(v_codes_ptr, v_scales_ptr, unsigned_book_ptr, rows, row_mask, offsets, mask, False)
         if ERROR_FEEDBACK:
-            m += _load_moment(mr_codes_ptr, mr_scales_ptr, signed_book_ptr, block, offsets, mask, True)
-            v += _load_moment(vr_codes_ptr, vr_scales_ptr, signed_book_ptr, block, offsets, mask, True)
+            m += _load_moment(mr_codes_ptr, mr_scales_ptr, signed_book_ptr, rows, row_mask, offsets, mask, True)
+            v += _load_moment(vr_codes_ptr, vr_scales_ptr, signed_book_ptr, rows, row_mask, offsets, mask, True)
         v = tl.maximum(v, 0.0)
         m = tl.where(v > 0.0, m, 0.0)
 
@@ -491,13 +508,23 @@ if is_triton_available():
         p = p * decay - step_size * tl.div_rn(m, denom)
         tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
 
-        m_index, m_absmax = _store_moment(m, m_codes_ptr, m_scales_ptr, signed_mid_ptr, block, offsets, mask, True)
-        v_index, v_absmax = _store_moment(v, v_codes_ptr, v_scales_ptr, unsigned_mid_ptr, block, offsets, mask, False)
+        m_index, m_absmax = _store_moment(
+            m, m_codes_ptr, m_scales_ptr, signed_table_ptr, signed_mid_ptr, rows, row_mask, offsets, mask, True
+        )
+        v_index, v_absmax = _store_moment(
+            v, v_codes_ptr, v_scales_ptr, unsigned_table_ptr, unsigned_mid_ptr, rows, row_mask, offsets, mask, False
+        )
         if ERROR_FEEDBACK:
-            m_stored = tl.load(signed_book_ptr + m_index) * m_absmax
-            v_stored = tl.load(unsigned_book_ptr + v_index) * v_absmax
-            _store_moment(m - m_stored, mr_codes_ptr, mr_scales_ptr, signed_mid_ptr, block, offsets, mask, True)
-            _store_moment(v - v_stored, vr_codes_ptr, vr_scales_ptr, signed_mid_ptr, block, offsets, mask, True)
+            m_stored = tl.load(signed_book_ptr + m_index) * m_absmax[:, None]
+            v_stored = tl.load(unsigned_book_ptr + v_index) * v_absmax[:, None]
+            _store_moment(
+                m - m_stored, mr_codes_ptr, mr_scales_ptr, signed_table_ptr, signed_mid_ptr,
+                rows, row_mask, offsets, mask, True,
+            )  # fmt: skip
+            _store_moment(
+                v - v_stored, vr_codes_ptr, vr_scales_ptr, signed_table_ptr, signed_mid_ptr,
+                rows, row_mask, offsets, mask, True,
+            )  # fmt: skip
 
 
 def adamw8bit_step_triton(
@@ -520,13 +547,17 @@ def adamw8bit_step_triton(
     weight_decay: float,
     block_size: int,
 ) -> None:
-    """Triton launcher with the signature and semantics of `adamw8bit_step_torch`: one program per block."""
+    """Triton launcher with the signature and semantics of `adamw8bit_step_torch`: one program per
+    `_TILE_VALUES // block_size` blocks."""
     n = param.numel()
     if n == 0:
         return
     s = adam_step_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-    signed_book, signed_mid = dynamic_code_book(signed=True, device=param.device)
-    unsigned_book, unsigned_mid = dynamic_code_book(signed=False, device=param.device)
+    device = param.device
+    signed_book, _ = dynamic_code_book(signed=True, device=device)
+    unsigned_book, _ = dynamic_code_book(signed=False, device=device)
+    signed_table, signed_mid = code_lookup_table(signed=True, device=device)
+    unsigned_table, unsigned_mid = code_lookup_table(signed=False, device=device)
     error_feedback = exp_avg_residual_codes is not None
     # Without error feedback the residual pointers are never read (ERROR_FEEDBACK is constexpr
     # False); any valid tensor fills the argument slots.
@@ -534,14 +565,17 @@ def adamw8bit_step_triton(
     mr_scales = exp_avg_residual_scales if error_feedback else exp_avg_scales
     vr_codes = exp_avg_sq_residual_codes if error_feedback else exp_avg_codes
     vr_scales = exp_avg_sq_residual_scales if error_feedback else exp_avg_scales
-    grid = (triton.cdiv(n, block_size),)
+    n_blocks = triton.cdiv(n, block_size)
+    rows = max(1, _TILE_VALUES // block_size)
+    grid = (triton.cdiv(n_blocks, rows),)
     _adamw8bit_step_kernel[grid](
         param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
         mr_codes, mr_scales, vr_codes, vr_scales,
-        signed_book, signed_mid, unsigned_book, unsigned_mid,
-        n, s["decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
+        signed_book, signed_table, signed_mid, unsigned_book, unsigned_table, unsigned_mid,
+        n, n_blocks, s["decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
         s["step_size"], s["bias_correction2_sqrt"], s["sq_floor"], eps,
-        BLOCK=block_size, ERROR_FEEDBACK=error_feedback,
+        BLOCK=block_size, ROWS=rows, ERROR_FEEDBACK=error_feedback,
+        num_warps=8 if rows * block_size >= 2048 else 4,
         enable_fp_fusion=False,  # no fused multiply-adds: the twin rounds every product and sum
     )  # fmt: skip
 
