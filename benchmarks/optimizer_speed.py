@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import pathlib
@@ -133,6 +134,7 @@ def measure(n: int, methods: list[str], *, warmup: int, repeats: int) -> list[di
             "method": r["method"], "numel": n, "steps": total, "seconds": seconds, "bytes": moved,
             "gb_per_s": moved / seconds / 1e9, "vs_fused": seconds / fused_s,
             "max_abs_diff_vs_fused": diff, "bit_identical_to_fused": bool(torch.equal(r["param"], fused["param"])),
+            "param_sha1": hashlib.sha1(r["param"].detach().numpy().tobytes()).hexdigest(),
         })  # fmt: skip
     return rows
 
