@@ -575,34 +575,45 @@ def _eight_bit_state(n, error_feedback, block=256):
     return state
 
 
-def _twin_runs(n, *, error_feedback, compile_flags, dtype=torch.float32, steps=3):
+def _twin_runs(n, *, error_feedback, backends, dtype=torch.float32, steps=3):
     from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step_torch
 
     g = torch.Generator().manual_seed(n)
     start = torch.randn(n, generator=g).to(dtype)
     grads = [(torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype) for _ in range(steps)]
     runs = []
-    for flag in compile_flags:
+    for backend in backends:
         param, state = start.clone(), _eight_bit_state(n, error_feedback)
         for step, grad in enumerate(grads, 1):
             adamw8bit_step_torch(
                 param, grad, *state, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                block_size=256, compile=flag,
+                block_size=256, backend=backend,
             )  # fmt: skip
         runs.append((param, state))
     return runs
 
 
 @pytest.mark.parametrize("error_feedback", [False, True])
-def test_8bit_compiled_step_is_bit_identical_to_eager(error_feedback):
-    # 70037 values: 273 full blocks through the compiled tile and a 149-value tail block eagerly.
-    (eager_p, eager_s), (comp_p, comp_s) = _twin_runs(70037, error_feedback=error_feedback, compile_flags=(False, True))
-    assert torch.equal(comp_p, eager_p)
-    for a, b in zip(comp_s, eager_s):
+@pytest.mark.parametrize("backend", ["inductor", "cpp"])
+def test_8bit_fast_backends_are_bit_identical_to_eager(backend, error_feedback):
+    # 70037 values: 273 full blocks (inductor: one compiled tile) and a 149-value tail block.
+    runs = _twin_runs(70037, error_feedback=error_feedback, backends=("eager", backend))
+    (eager_p, eager_s), (fast_p, fast_s) = runs
+    assert torch.equal(fast_p, eager_p)
+    for a, b in zip(fast_s, eager_s):
         assert a is None and b is None or torch.equal(a, b)
 
 
-def test_8bit_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
+def _reset_backends(monkeypatch, adamw8bit):
+    for name in ("_compiled_step_blocks", "_compile_failure", "_cpp_extension", "_cpp_failure"):
+        monkeypatch.setattr(adamw8bit, name, None)
+
+
+def test_8bit_build_failures_fall_back_to_eager_with_one_warning_each(monkeypatch):
+    import warnings
+
+    import torch.utils.cpp_extension as cpp_extension
+
     from hf_galore_plugin.kernels import adamw8bit
 
     def broken_compile(fn, **kwargs):
@@ -611,30 +622,48 @@ def test_8bit_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    monkeypatch.setattr(adamw8bit, "_compiled_step_blocks", None)
-    monkeypatch.setattr(adamw8bit, "_compile_failure", None)
-    with pytest.warns(RuntimeWarning, match="InvalidCxxCompiler.*HF_GALORE_COMPILE=0"):
-        (eager_p, eager_s), (fallback_p, fallback_s) = _twin_runs(
-            70037, error_feedback=False, compile_flags=(False, None)
-        )
-    assert torch.equal(fallback_p, eager_p) and all(torch.equal(a, b) for a, b in zip(fallback_s[:4], eager_s[:4]))
-    assert adamw8bit._compile_failure.startswith("RuntimeError: InvalidCxxCompiler")
-    # After the failure no further attempt (and no further warning) is made.
-    import warnings
+    def broken_load(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
 
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    _reset_backends(monkeypatch, adamw8bit)
+    with pytest.warns(RuntimeWarning) as record:
+        (eager_p, eager_s), (fallback_p, fallback_s) = _twin_runs(70037, error_feedback=False, backends=("eager", None))
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2, messages
+    assert "Ninja is required" in messages[0] and "InvalidCxxCompiler" in messages[1]
+    assert all("HF_GALORE_COMPILE=0" in m for m in messages)
+    assert torch.equal(fallback_p, eager_p) and all(torch.equal(a, b) for a, b in zip(fallback_s[:4], eager_s[:4]))
+    # After the failures no further attempt (and no further warning) is made.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _twin_runs(70037, error_feedback=False, compile_flags=(None,), steps=1)
+        _twin_runs(70037, error_feedback=False, backends=(None,), steps=1)
 
 
-def test_8bit_compile_off_by_environment_never_compiles(monkeypatch):
+def test_8bit_compile_off_by_environment_never_builds(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
     from hf_galore_plugin.kernels import adamw8bit
 
-    def no_compile(fn, **kwargs):
-        raise AssertionError("torch.compile called although HF_GALORE_COMPILE=0")
+    def never(*args, **kwargs):
+        raise AssertionError("a build was attempted although HF_GALORE_COMPILE=0")
 
-    monkeypatch.setattr(torch, "compile", no_compile)
-    monkeypatch.setattr(adamw8bit, "_compiled_step_blocks", None)
+    monkeypatch.setattr(torch, "compile", never)
+    monkeypatch.setattr(cpp_extension, "load", never)
+    _reset_backends(monkeypatch, adamw8bit)
     monkeypatch.setenv("HF_GALORE_COMPILE", "0")
-    _twin_runs(70037, error_feedback=False, compile_flags=(None,), steps=1)
+    _twin_runs(70037, error_feedback=False, backends=(None,), steps=1)
+
+
+def test_8bit_backend_argument_is_checked():
+    from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step_torch
+
+    state = _eight_bit_state(300, False)
+    hyper = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
+    with pytest.raises(ValueError, match="backend='triton'.*'eager', 'inductor' or 'cpp'"):
+        adamw8bit_step_torch(torch.zeros(300), torch.zeros(300), *state, backend="triton", **hyper)
+    with pytest.raises(ValueError, match="backend='cpp' needs fp32"):
+        adamw8bit_step_torch(
+            torch.zeros(300, dtype=torch.bfloat16), torch.zeros(300, dtype=torch.bfloat16), *state, backend="cpp", **hyper
+        )

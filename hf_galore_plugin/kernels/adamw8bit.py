@@ -321,15 +321,68 @@ def _step_blocks(
 
 _compiled_step_blocks = None
 _compile_failure: str | None = None
+_cpp_extension = None
+_cpp_failure: str | None = None
+_CPP_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw8bit_cpu.cpp")
+
+
+def _cpp_applies(param: torch.Tensor, grad: torch.Tensor) -> bool:
+    return (
+        param.device.type == "cpu"
+        and param.dtype == torch.float32
+        and grad.dtype == torch.float32
+        and param.is_contiguous()
+        and grad.is_contiguous()
+    )
 
 
 def _compile_enabled() -> bool:
-    return os.environ.get("HF_GALORE_COMPILE", "1") != "0" and _compile_failure is None
+    return os.environ.get("HF_GALORE_COMPILE", "1") != "0"
+
+
+def _warn_fallback(what: str, failure: str, fallback: str) -> None:
+    warnings.warn(
+        f"hf_galore_plugin: {what} of the 8-bit AdamW step failed ({failure}); using {fallback} (same "
+        "results, slower). Set HF_GALORE_COMPILE=0 to skip every compilation attempt.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _run_cpp(*args) -> bool:
+    """Run the C++ step (adamw8bit_cpu.cpp, built once with torch's cpp_extension); False (after one
+    warning) where it cannot be built."""
+    global _cpp_extension, _cpp_failure
+    if _cpp_failure is not None:
+        return False
+    try:
+        if _cpp_extension is None:
+            from torch.utils.cpp_extension import load
+
+            # The source's lookup constants must be the ones the tables were built with.
+            assert (LOOKUP_SHIFT, LOOKUP_BASE, LOOKUP_BUCKETS) == (15, (127 - 32) << 8, 33 << 8)
+            _cpp_extension = load(
+                name="hf_galore_adamw8bit_cpu",
+                sources=[_CPP_SOURCE],
+                # -march=native: the build is cached per machine (TORCH_EXTENSIONS_DIR) and runs where
+                # it was built; vector gathers, division and sqrt round exactly as scalar ones.
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        _cpp_extension.adamw8bit_step_cpu(*args)
+        return True
+    except Exception as error:  # no compiler, no ninja, a failed build
+        _cpp_failure = f"{type(error).__name__}: {error}".splitlines()[0]
+        _warn_fallback("the C++ build", _cpp_failure, "the torch.compile'd twin")
+        return False
 
 
 def _run_compiled(*args) -> bool:
     """Run `_step_blocks` compiled; False (after one warning) where compilation is unavailable."""
     global _compiled_step_blocks, _compile_failure
+    if _compile_failure is not None:
+        return False
     try:
         if _compiled_step_blocks is None:
             # dynamic: one graph for every size; fullgraph: a graph break would silently cost the speed.
@@ -343,12 +396,7 @@ def _run_compiled(*args) -> bool:
         return True
     except Exception as error:  # compilation errors surface at the first call
         _compile_failure = f"{type(error).__name__}: {error}".splitlines()[0]
-        warnings.warn(
-            f"hf_galore_plugin: torch.compile of the 8-bit AdamW step failed ({_compile_failure}); "
-            "using the eager torch step (same results, ~10x slower). Set HF_GALORE_COMPILE=0 to skip the attempt.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _warn_fallback("torch.compile", _compile_failure, "the eager torch step")
         return False
 
 
@@ -371,16 +419,23 @@ def adamw8bit_step_torch(
     eps: float,
     weight_decay: float,
     block_size: int,
-    compile: bool | None = None,
+    backend: str | None = None,
 ) -> None:
     """One AdamW step on flat contiguous tensors with 8-bit blockwise moments, all in place.
 
     `param` (any float dtype) and `grad` are 1-D of n values; codes are int8 (first moment) /
     uint8 (second moment) of n values; scales are fp32 of ceil(n / block_size) blocks. The
     residual tensors are all None (no error feedback) or all given (int8 codes + fp32 scales).
-    Math is fp32; the parameter is written back in its own dtype. `compile`: run the full blocks
-    through `torch.compile` (None: when n >= COMPILE_MIN_NUMEL and compilation is enabled).
+    Math is fp32; the parameter is written back in its own dtype.
+
+    `backend`: "eager" (torch ops), "inductor" (`torch.compile` of the same function on the full
+    blocks), "cpp" (adamw8bit_cpu.cpp: fp32 CPU param and grad only), or None: "cpp" where it
+    applies and n >= COMPILE_MIN_NUMEL, else "inductor" for n >= COMPILE_MIN_NUMEL, else "eager";
+    a backend that cannot be built falls back to the next one with one warning. All three give
+    bit-identical results on finite values (tests/test_optim.py).
     """
+    if backend not in (None, "eager", "inductor", "cpp"):
+        raise ValueError(f"adamw8bit_step_torch: backend={backend!r}; use None, 'eager', 'inductor' or 'cpp'")
     n = param.numel()
     if n == 0:
         return
@@ -396,6 +451,15 @@ def adamw8bit_step_torch(
         param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
         exp_avg_residual_codes, exp_avg_residual_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
     )  # fmt: skip
+    if backend is None:
+        big = n >= COMPILE_MIN_NUMEL and _compile_enabled()
+        backend = ("cpp" if _cpp_applies(param, grad) else "inductor") if big else "eager"
+    if backend == "cpp":
+        if not _cpp_applies(param, grad):
+            raise ValueError("adamw8bit_step_torch: backend='cpp' needs fp32 contiguous CPU param and grad")
+        if _run_cpp(*flat, scalars, *books, block_size):
+            return
+        backend = "inductor"
     full = n // block_size
     # Blocks are independent: full blocks as one (full, block_size) tile, the partial last block as (1, rest).
     for rows, begin, end in ((full, 0, full * block_size), (1, full * block_size, n)):
@@ -409,8 +473,7 @@ def adamw8bit_step_torch(
             else t[begin:end].view(rows, width)
             for i, t in enumerate(flat)
         ]  # fmt: skip
-        use_compiled = compile if compile is not None else (rows * width >= COMPILE_MIN_NUMEL and _compile_enabled())
-        if use_compiled and rows > 1 and _run_compiled(*tiles, scalars, *books):
+        if backend == "inductor" and rows > 1 and _run_compiled(*tiles, scalars, *books):
             continue
         _step_blocks(*tiles, scalars, *books)
 
