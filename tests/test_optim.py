@@ -95,10 +95,14 @@ def test_fp32_state_matches_torch_adamw(path, monkeypatch):
     identical to torch's single-tensor AdamW."""
     if path == "single_tensor":
         monkeypatch.setenv("HF_GALORE_FUSED_ADAMW", "0")
-    ours, ref = _fresh_params(), _fresh_params()
+    # Multiples of 64 values: torch's fused kernel runs its vector loop over all of them (see the next test).
+    shapes = [(32, 48), (64,), (8, 16, 4)]
+    g = torch.Generator().manual_seed(1)
+    start = [torch.randn(s, generator=g) for s in shapes]
+    ours, ref = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
     opt = AdamW(_groups(ours), **HYPER)
     ref_opt = torch.optim.AdamW(_groups(ref), **HYPER, **({"fused": True} if path == "fused" else {"foreach": False}))
-    grads = _grads(SHAPES, 100)
+    grads = _grads(shapes, 100)
     _run_fixed_grads(ours, opt, grads)
     _run_fixed_grads(ref, ref_opt, grads)
     for a, b in zip(ours, ref):
@@ -106,6 +110,25 @@ def test_fp32_state_matches_torch_adamw(path, monkeypatch):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[a][key], ref_opt.state[b][key])
     assert opt.param_groups[0]["galore"] is True and opt.param_groups[0]["name"] == "proj"
+
+
+@pytest.mark.parametrize("cut", [3651, 7199, 1])
+def test_fused_fp32_step_of_a_value_does_not_depend_on_where_its_tensor_is_cut(cut):
+    """FSDP shards step exactly like the whole tensor: a 7200-value tensor (not a multiple of 64, so
+    torch's fused kernel alone would put its last values through its scalar loop) equals its two
+    pieces stepped as separate parameters."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(7200, generator=g)
+    grads = [torch.randn(7200, generator=g) for _ in range(6)]
+    whole = torch.nn.Parameter(start.clone())
+    pieces = [torch.nn.Parameter(start[:cut].clone()), torch.nn.Parameter(start[cut:].clone())]
+    opt_whole, opt_pieces = AdamW([whole], **HYPER), AdamW(pieces, **HYPER)
+    for grad in grads:
+        whole.grad, pieces[0].grad, pieces[1].grad = grad, grad[:cut].clone(), grad[cut:].clone()
+        opt_whole.step()
+        opt_pieces.step()
+    assert torch.equal(whole.detach(), torch.cat([p.detach() for p in pieces]))
+    assert torch.equal(opt_whole.state[whole]["exp_avg_sq"], torch.cat([opt_pieces.state[p]["exp_avg_sq"] for p in pieces]))
 
 
 def test_fused_and_single_tensor_fp32_paths_agree_to_rounding(monkeypatch):
