@@ -2,6 +2,10 @@
 
     python benchmarks/step.py            # Llama ~60M (hidden 512, 8 layers, vocab 32000), 2 x 128 tokens
     python benchmarks/step.py --quick    # a small Llama, for CI
+    python benchmarks/step.py --size h1024 --batch 4 --seq-len 256 --ranks 256 128 64 --baseline adamw_fused
+                                         # issue 13: hidden 1024, 4 layers, vocab 30000, ranks hidden/4, /8, /16
+    python benchmarks/step.py ... --profile galore_adamw --measure-gap 1000
+                                         # + a torch.profiler table of 2 ordinary steps of that method
 
 One process holds four identically initialised models (torch AdamW and the three presets) and runs
 their steps interleaved (the order rotates every round), so a busy machine slows all of them alike.
@@ -30,6 +34,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 SIZES = {
     "60m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=32000),
+    "h1024": dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=4, num_attention_heads=16, vocab_size=30000),
     "quick": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=2, vocab_size=2000),
 }
 
@@ -49,13 +54,17 @@ def refreshes(model: torch.nn.Module) -> int:
 class Runner:
     """One model and its optimizer; `step()` times one full training step."""
 
-    def __init__(self, method: str, size: str, args: argparse.Namespace) -> None:
+    def __init__(self, method: str, size: str, args: argparse.Namespace, rank: Optional[int] = None) -> None:
         self.method = method
+        self.name = method if rank is None or method not in OURS else f"{method} (rank {rank})"
+        rank = rank or args.rank
         self.model = build(size, args.device, args.dtype)
         if method == "adamw_torch":
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        elif method == "adamw_fused":
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=True)
         else:
-            config = hgp.GaLoreConfig.preset(method, rank=args.rank, update_proj_gap=args.measure_gap)
+            config = hgp.GaLoreConfig.preset(method, rank=rank, update_proj_gap=args.measure_gap)
             hgp.prepare_model(self.model, config)
             self.optimizer = hgp.create_optimizer(self.model, lr=1e-3)
         self.ordinary: list[float] = []
@@ -75,14 +84,27 @@ class Runner:
         return time.perf_counter() - started, refreshes(self.model) != before
 
 
+def profile(runner: Runner, tokens: torch.Tensor, steps: int = 2) -> str:
+    """torch.profiler table (top 25 ops by self CPU time) of `steps` ordinary steps of `runner`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.step(tokens)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+
+
 def median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    size = "quick" if args.quick else "60m"
-    methods = ("adamw_torch", *OURS)
-    runners = [Runner(m, size, args) for m in methods]
+    size = args.size
+    runners = [Runner(args.baseline, size, args)]
+    # One rank: rows keep the plain method names; several: "method (rank r)".
+    several = len(args.ranks) > 1
+    runners += [Runner(m, size, args, rank if several else None) for rank in args.ranks for m in OURS]
     generator = torch.Generator().manual_seed(0)
     batches = [
         torch.randint(0, SIZES[size]["vocab_size"], (args.batch, args.seq_len), generator=generator).to(args.device)
@@ -96,12 +118,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for runner in runners[shift:] + runners[:shift]:
             seconds, refreshed = runner.step(batches[round_index % len(batches)])
             (runner.refresh if refreshed else runner.ordinary).append(seconds)
+    profiles = {}
+    for runner in runners:
+        if runner.method == args.profile:
+            profiles[runner.name] = profile(runner, batches[0])
     reference = median(runners[0].ordinary)
     rows = {}
     for runner in runners:
         ordinary, refresh = median(runner.ordinary), median(runner.refresh)
         amortized = ordinary + ((refresh - ordinary) / args.gap if refresh is not None else 0.0)
-        rows[runner.method] = {
+        rows[runner.name] = {
             "median_step_s": ordinary,
             "ordinary_steps": len(runner.ordinary),
             "median_refresh_step_s": refresh,
@@ -118,6 +144,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "seq_len": args.seq_len,
         "rank": args.rank,
+        "ranks": args.ranks,
+        "baseline": args.baseline,
+        "profiles": profiles,
         "measure_gap": args.measure_gap,
         "gap": args.gap,
         "rounds": args.steps,
@@ -136,6 +165,8 @@ def report(result: dict[str, Any]) -> str:
         f"rank {result['rank']}, {result['dtype']} on {result['device']} ({result['threads']} threads); "
         f"{result['rounds']} interleaved rounds after one untimed step.",
         "",
+        f"Baseline: {result['baseline']}.",
+        "",
         f"| method | median step ms | ratio vs AdamW | refresh step ms (n) | amortised ms at gap {result['gap']} "
         "| amortised ratio |",
         "|---|---|---|---|---|---|",
@@ -149,6 +180,8 @@ def report(result: dict[str, Any]) -> str:
             f"{row['ratio_vs_adamw']:.2f}x | {refresh} | {row['amortized_step_s'] * 1e3:.0f} | "
             f"{row['amortized_ratio_vs_adamw']:.2f}x |"
         )
+    for name, table in result.get("profiles", {}).items():
+        lines += ["", f"Profile of {name} (2 ordinary steps, top ops by self CPU time):", "", "```", table, "```"]
     lines += ["", __doc__.split("\n\n", 2)[2].strip()]
     return "\n".join(lines)
 
@@ -165,11 +198,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--measure-gap", type=int, default=4, help="refresh gap while measuring, so refreshes fall in the window"
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--size", choices=tuple(SIZES), help="model (default 60m; --quick: quick)")
+    parser.add_argument("--ranks", type=int, nargs="+", help="GaLore ranks, each with all three presets")
+    parser.add_argument("--baseline", choices=("adamw_torch", "adamw_fused"), default="adamw_torch",
+                        help="reference optimizer: torch AdamW's default (foreach) or fused=True")  # fmt: skip
+    parser.add_argument("--profile", choices=OURS + ("adamw_torch", "adamw_fused"), help="profile this method")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "outputs" / "benchmarks")
     args = parser.parse_args(argv)
-    size = "quick" if args.quick else "60m"
+    size = args.size = args.size or ("quick" if args.quick else "60m")
     args.seq_len = args.seq_len or (64 if args.quick else 128)
     args.rank = args.rank or SIZES[size]["hidden_size"] // 4
+    args.ranks = args.ranks or [args.rank]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -88,20 +88,64 @@ def _fresh_params(dtype=torch.float32, seed=1):
     return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_fp32_state_matches_torch_adamw(foreach):
-    ours, ref = _fresh_params(), _fresh_params()
+@pytest.mark.parametrize("path", ["fused", "single_tensor"])
+def test_fp32_state_matches_torch_adamw(path, monkeypatch):
+    """fp32 CPU tensors step in torch's fused kernel: identical to torch.optim.AdamW(fused=True).
+    With the fused path off (HF_GALORE_FUSED_ADAMW=0, and what bf16 / non-contiguous tensors take):
+    identical to torch's single-tensor AdamW."""
+    if path == "single_tensor":
+        monkeypatch.setenv("HF_GALORE_FUSED_ADAMW", "0")
+    # Multiples of 64 values: torch's fused kernel runs its vector loop over all of them (see the next test).
+    shapes = [(32, 48), (64,), (8, 16, 4)]
+    g = torch.Generator().manual_seed(1)
+    start = [torch.randn(s, generator=g) for s in shapes]
+    ours, ref = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
     opt = AdamW(_groups(ours), **HYPER)
-    ref_opt = torch.optim.AdamW(_groups(ref), **HYPER, foreach=foreach)
-    grads = _grads(SHAPES, 100)
+    ref_opt = torch.optim.AdamW(_groups(ref), **HYPER, **({"fused": True} if path == "fused" else {"foreach": False}))
+    grads = _grads(shapes, 100)
     _run_fixed_grads(ours, opt, grads)
     _run_fixed_grads(ref, ref_opt, grads)
     for a, b in zip(ours, ref):
-        if foreach:  # torch's multi-tensor path orders its fp32 ops differently
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        else:  # same op sequence as torch's single-tensor path
-            assert torch.equal(a, b)
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[a][key], ref_opt.state[b][key])
     assert opt.param_groups[0]["galore"] is True and opt.param_groups[0]["name"] == "proj"
+
+
+@pytest.mark.parametrize("cut", [3651, 7199, 1])
+def test_fused_fp32_step_of_a_value_does_not_depend_on_where_its_tensor_is_cut(cut):
+    """FSDP shards step exactly like the whole tensor: a 7200-value tensor (not a multiple of 64, so
+    torch's fused kernel alone would put its last values through its scalar loop) equals its two
+    pieces stepped as separate parameters."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(7200, generator=g)
+    grads = [torch.randn(7200, generator=g) for _ in range(6)]
+    whole = torch.nn.Parameter(start.clone())
+    pieces = [torch.nn.Parameter(start[:cut].clone()), torch.nn.Parameter(start[cut:].clone())]
+    opt_whole, opt_pieces = AdamW([whole], **HYPER), AdamW(pieces, **HYPER)
+    for grad in grads:
+        whole.grad, pieces[0].grad, pieces[1].grad = grad, grad[:cut].clone(), grad[cut:].clone()
+        opt_whole.step()
+        opt_pieces.step()
+    assert torch.equal(whole.detach(), torch.cat([p.detach() for p in pieces]))
+    assert torch.equal(opt_whole.state[whole]["exp_avg_sq"], torch.cat([opt_pieces.state[p]["exp_avg_sq"] for p in pieces]))
+
+
+def test_fused_and_single_tensor_fp32_paths_agree_to_rounding(monkeypatch):
+    """The two fp32 paths differ by the order (and fused multiply-adds) of their fp32 ops only:
+    moments and parameters within a few fp32 ulps of each other after 100 steps."""
+    runs = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("HF_GALORE_FUSED_ADAMW", fused)
+        params = _fresh_params()
+        opt = AdamW(_groups(params), **HYPER)
+        _run_fixed_grads(params, opt, _grads(SHAPES, 100))
+        runs.append((params, opt))
+    (fused_params, fused_opt), (single_params, single_opt) = runs
+    for a, b in zip(fused_params, single_params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fused_opt.state[a][key], single_opt.state[b][key], rtol=4 * 2.0**-23, atol=0)
+        torch.testing.assert_close(a, b, rtol=4 * 2.0**-23, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -525,3 +569,124 @@ def test_second_moment_floor_never_binds_on_exact_moments():
         v = 0.999 * v + 0.001 * g * g
         assert bool((v >= k * m * m * (1 - 1e-12)).all())
     assert second_moment_floor(beta1=0.99, beta2=0.95) == 0.0
+
+
+# ----------------------------------------------------------------- 8-bit step: lookup and compiled path
+def test_nearest_code_index_equals_sorted_search():
+    """The bucket table gives #(midpoints < y) exactly: on random values over all decades, on every
+    midpoint and its 4 fp32 neighbours either side, and on signed zeros, +-1 and subnormals."""
+    from hf_galore_plugin.kernels.adamw8bit import dynamic_code_book, nearest_code_index
+
+    g = torch.Generator().manual_seed(0)
+    for signed in (True, False):
+        _, midpoints = dynamic_code_book(signed=signed)
+        bits = midpoints.view(torch.int32)
+        near = torch.cat([(bits + d).view(torch.float32) for d in range(-4, 5)])
+        values = torch.cat([
+            torch.randn(1 << 18, generator=g) * torch.rand(1 << 18, generator=g) ** 8,
+            near, -near, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-45, -1e-45]),
+        ]).clamp(-1, 1)  # fmt: skip
+        if not signed:
+            values = values.abs()
+        assert torch.equal(nearest_code_index(values, signed=signed), torch.searchsorted(midpoints, values))
+
+
+def _eight_bit_state(n, error_feedback, block=256):
+    blocks = -(-n // block)
+    state = [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks), torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)]
+    state += [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks)] * 2 if error_feedback else [None] * 4
+    return state
+
+
+def _twin_runs(n, *, error_feedback, backends, dtype=torch.float32, steps=3):
+    from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step_torch
+
+    g = torch.Generator().manual_seed(n)
+    start = torch.randn(n, generator=g).to(dtype)
+    grads = [(torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype) for _ in range(steps)]
+    runs = []
+    for backend in backends:
+        param, state = start.clone(), _eight_bit_state(n, error_feedback)
+        for step, grad in enumerate(grads, 1):
+            adamw8bit_step_torch(
+                param, grad, *state, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                block_size=256, backend=backend,
+            )  # fmt: skip
+        runs.append((param, state))
+    return runs
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize("backend", ["inductor", "cpp"])
+def test_8bit_fast_backends_are_bit_identical_to_eager(backend, error_feedback):
+    # 70037 values: 273 full blocks (inductor: one compiled tile) and a 149-value tail block.
+    runs = _twin_runs(70037, error_feedback=error_feedback, backends=("eager", backend))
+    (eager_p, eager_s), (fast_p, fast_s) = runs
+    assert torch.equal(fast_p, eager_p)
+    for a, b in zip(fast_s, eager_s):
+        assert a is None and b is None or torch.equal(a, b)
+
+
+def _reset_backends(monkeypatch, adamw8bit):
+    for name in ("_compiled_step_blocks", "_compile_failure", "_cpp_extension", "_cpp_failure"):
+        monkeypatch.setattr(adamw8bit, name, None)
+
+
+def test_8bit_build_failures_fall_back_to_eager_with_one_warning_each(monkeypatch):
+    import warnings
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from hf_galore_plugin.kernels import adamw8bit
+
+    def broken_compile(fn, **kwargs):
+        def call(*args, **kw):
+            raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+        return call
+
+    def broken_load(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    _reset_backends(monkeypatch, adamw8bit)
+    with pytest.warns(RuntimeWarning) as record:
+        (eager_p, eager_s), (fallback_p, fallback_s) = _twin_runs(70037, error_feedback=False, backends=("eager", None))
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2, messages
+    assert "Ninja is required" in messages[0] and "InvalidCxxCompiler" in messages[1]
+    assert all("HF_GALORE_COMPILE=0" in m for m in messages)
+    assert torch.equal(fallback_p, eager_p) and all(torch.equal(a, b) for a, b in zip(fallback_s[:4], eager_s[:4]))
+    # After the failures no further attempt (and no further warning) is made.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _twin_runs(70037, error_feedback=False, backends=(None,), steps=1)
+
+
+def test_8bit_compile_off_by_environment_never_builds(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    from hf_galore_plugin.kernels import adamw8bit
+
+    def never(*args, **kwargs):
+        raise AssertionError("a build was attempted although HF_GALORE_COMPILE=0")
+
+    monkeypatch.setattr(torch, "compile", never)
+    monkeypatch.setattr(cpp_extension, "load", never)
+    _reset_backends(monkeypatch, adamw8bit)
+    monkeypatch.setenv("HF_GALORE_COMPILE", "0")
+    _twin_runs(70037, error_feedback=False, backends=(None,), steps=1)
+
+
+def test_8bit_backend_argument_is_checked():
+    from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step_torch
+
+    state = _eight_bit_state(300, False)
+    hyper = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
+    with pytest.raises(ValueError, match="backend='triton'.*'eager', 'inductor' or 'cpp'"):
+        adamw8bit_step_torch(torch.zeros(300), torch.zeros(300), *state, backend="triton", **hyper)
+    with pytest.raises(ValueError, match="backend='cpp' needs fp32"):
+        adamw8bit_step_torch(
+            torch.zeros(300, dtype=torch.bfloat16), torch.zeros(300, dtype=torch.bfloat16), *state, backend="cpp", **hyper
+        )

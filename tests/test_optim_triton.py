@@ -1,6 +1,6 @@
 """The fused 8-bit AdamW Triton kernel against its torch twin, on CPU via TRITON_INTERPRET=1.
 
-Shapes are small (1..4097 values, block 256: at most 17 programs a launch) because the
+Shapes are small (1..20000 values, block 256, 8 blocks a program: at most 10 programs a launch) because the
 interpreter runs ~ms per program.
 """
 
@@ -17,7 +17,6 @@ pytestmark = pytest.mark.triton
 from hf_galore_plugin.kernels.adamw8bit import (  # noqa: E402
     adamw8bit_step_torch,
     adamw8bit_step_triton,
-    dequantize_blockwise,
 )
 from hf_galore_plugin.optim import AdamW  # noqa: E402
 
@@ -58,30 +57,16 @@ def _run_both(n, *, error_feedback, dtype=torch.float32, steps=3):
     return twin_param, kernel_param, twin_state, kernel_state
 
 
-def _assert_codes_match(twin_codes, kernel_codes):
-    """Equal codes, except where the normalized value sits on a midpoint up to fp32 rounding:
-    there a code may differ by one (and the dequantized values by one code step)."""
-    differ = twin_codes != kernel_codes
-    assert (twin_codes.long() - kernel_codes.long()).abs().max() <= 1
-    assert differ.float().mean() <= 0.001, int(differ.sum())
-
-
-@pytest.mark.parametrize("n", [1, 300, 1000, 4097])
+@pytest.mark.parametrize("n", [1, 300, 1000, 4097, 20000])
 @pytest.mark.parametrize("error_feedback", [False, True])
 def test_kernel_matches_twin_fp32(n, error_feedback):
+    """Bit-identical parameters, codes and scales: kernel and twin round every fp32 operation alike
+    (correctly rounded division and square root, no fused multiply-adds) and find codes with the same
+    bucket table. 20000 values: 79 blocks in 10 programs of 8 blocks, the last one partly masked."""
     twin_param, kernel_param, twin_state, kernel_state = _run_both(n, error_feedback=error_feedback)
-    torch.testing.assert_close(kernel_param, twin_param, rtol=1e-6, atol=1e-6)
-    for i in range(0, 8, 2):
-        if twin_state[i] is None:
-            continue
-        _assert_codes_match(twin_state[i], kernel_state[i])
-        torch.testing.assert_close(kernel_state[i + 1], twin_state[i + 1], rtol=1e-6, atol=0.0)
-        torch.testing.assert_close(
-            dequantize_blockwise(kernel_state[i], kernel_state[i + 1], block_size=BLOCK),
-            dequantize_blockwise(twin_state[i], twin_state[i + 1], block_size=BLOCK),
-            rtol=0.05,  # one code step where a tie broke differently (<= 4% in the decades used)
-            atol=1e-6,
-        )
+    assert torch.equal(kernel_param, twin_param)
+    for twin, kernel in zip(twin_state, kernel_state):
+        assert twin is None and kernel is None or torch.equal(kernel, twin)
 
 
 def test_kernel_matches_twin_bf16_params():

@@ -16,6 +16,14 @@ State per parameter (tensors and plain values only, so `torch.load(weights_only=
   parameter and scales are DTensors of shape (number of shards, largest shard's block count),
   sharded on dim 0, so each rank saves its own scales; resuming 8-bit state therefore needs the
   same mesh (blocks are cut from the local shard, so they cannot be resharded).
+Numerics: fp32 state of a contiguous fp32 CPU tensor steps in torch's fused multi-tensor AdamW
+kernel (one call per group; results identical to torch.optim.AdamW(fused=True) on tensors of a
+multiple of 64 values, and for every value the same as if its tensor were cut anywhere: see
+`_FUSED_ALIGN`); any other fp32
+state (bf16/fp16 parameters, non-contiguous or non-CPU tensors) steps in `adamw_step_fp32`, torch's
+single-tensor op sequence. The two differ by fp32 rounding only (a few ulps after 100 steps,
+tests/test_optim.py). 8-bit state steps in `kernels.adamw8bit` (Triton on CUDA,
+the compiled torch twin on the CPU).
 Tensors with fewer than `min_8bit_numel` values keep fp32 state even when state_bits=8, as
 bitsandbytes does (its default threshold is 4096): for biases and norms the 8-bit saving is a
 few KB while their scales would cost up to 4 B per block.
@@ -24,6 +32,7 @@ few KB while their scales would cost up to 4 B per block.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -45,6 +54,7 @@ except ImportError:  # torch built without distributed support
 __all__ = ["AdamW"]
 
 _MIN_BLOCK, _MAX_BLOCK = 16, 4096
+_FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -54,6 +64,45 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this process updates: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if _is_dtensor(t) else t
+
+
+def _fusable(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:
+    """Whether torch's fused AdamW kernel can step this fp32-state tensor: fp32 everywhere, dense
+    contiguous CPU tensors (its step counters live on the CPU, as ours do). `HF_GALORE_FUSED_ADAMW=0`
+    sends every tensor through `adamw_step_fp32` instead."""
+    return (
+        _FUSED_AVAILABLE
+        and os.environ.get("HF_GALORE_FUSED_ADAMW", "1") != "0"
+        and param.device.type == "cpu"
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (param, grad, exp_avg, exp_avg_sq))
+        and grad.device == param.device
+    )
+
+
+# torch's fused CPU kernel runs its vector loop over all but the last numel % (vector width) values
+# of a tensor and a scalar loop, which rounds differently, over those. So that a value's result never
+# depends on where it sits in its tensor (FSDP shards must step exactly like the whole tensor), each
+# tensor goes in as its first multiple of _FUSED_ALIGN values plus its rest zero-padded to
+# _FUSED_ALIGN values (a multiple of every vector width: 8 on AVX2, 16 on AVX-512).
+_FUSED_ALIGN = 64
+
+
+def _add_fused(lists: list[list], tensors: tuple[torch.Tensor, ...], step: torch.Tensor) -> None:
+    flat = [t.view(-1) for t in tensors]
+    n = flat[0].numel()
+    body = n - n % _FUSED_ALIGN
+    if body:
+        for i, t in enumerate(flat):
+            lists[i].append(t[:body])
+        lists[4].append(step)
+    if body < n:
+        for i, t in enumerate(flat):
+            padded = t.new_zeros(_FUSED_ALIGN)
+            padded[: n - body].copy_(t[body:])
+            lists[i].append(padded)
+            if i != 1:  # the gradient is only read
+                lists[5].append((padded, t[body:]))
+        lists[4].append(step)
 
 
 def _validate_group(group: dict[str, Any]) -> None:
@@ -181,6 +230,7 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = (float(b) for b in group["betas"])
+            fused: dict[torch.device, list[list[torch.Tensor]]] = {}
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -193,6 +243,12 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 if local.numel() == 0:
                     continue
+                if "exp_avg" in state:
+                    exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                    if _fusable(local, grad, exp_avg, exp_avg_sq):
+                        lists = fused.setdefault(local.device, [[], [], [], [], [], []])
+                        _add_fused(lists, (local, grad, exp_avg, exp_avg_sq), state["step"])
+                        continue
                 hyper = {
                     "step": int(state["step"].item()),
                     "lr": float(group["lr"]),
@@ -202,10 +258,20 @@ class AdamW(torch.optim.Optimizer):
                     "weight_decay": float(group["weight_decay"]),
                 }
                 if "exp_avg" in state:
-                    adamw_step_fp32(local, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), **hyper)
+                    adamw_step_fp32(local, grad, exp_avg, exp_avg_sq, **hyper)
                 else:
                     tensors = {k: _local(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
                     adamw_step_8bit(local, grad, tensors, block_size=state["block_size"], **hyper)
+            for params, grads, exp_avgs, exp_avg_sqs, steps, copy_back in fused.values():
+                # torch's multi-tensor fused AdamW kernel: one call for every fp32 tensor of the group
+                # (no per-tensor Python).
+                torch._fused_adamw_(
+                    params, grads, exp_avgs, exp_avg_sqs, [], steps,
+                    amsgrad=False, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                    weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
+                )  # fmt: skip
+                for padded, original in copy_back:
+                    original.copy_(padded[: original.numel()])
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
