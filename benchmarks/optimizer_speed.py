@@ -174,11 +174,18 @@ def main(argv=None) -> int:
         methods += ["ours_8bit_eager"] if n <= args.eager_max else []
         rows += measure(n, methods, warmup=args.warmup, repeats=repeats)
         print(table([r for r in rows if r["numel"] == n]), flush=True)
-    compiled = adamw8bit._compiled_step_blocks is not None and adamw8bit._compile_failure is None
+    # Which 8-bit step ran: the C++ build first, the torch.compile'd twin where it cannot be built.
+    if adamw8bit._cpp_extension is not None and adamw8bit._cpp_failure is None:
+        backend = "cpp"
+    elif adamw8bit._compiled_step_blocks is not None and adamw8bit._compile_failure is None:
+        backend = "inductor"
+    else:
+        backend = "eager"
     meta = {
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": args.threads,
         "repeats": repeats, "warmup": args.warmup, "bitsandbytes": with_bnb,
-        "eight_bit_compiled": compiled, "compile_failure": adamw8bit._compile_failure,
+        "eight_bit_backend": backend, "cpp_failure": adamw8bit._cpp_failure,
+        "compile_failure": adamw8bit._compile_failure,
         "command": "python benchmarks/optimizer_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

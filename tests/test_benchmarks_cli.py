@@ -129,7 +129,11 @@ def test_optimizer_speed_quick_measures_every_state_format(tmp_path):
     except ImportError:
         pass
     assert set(rows) == expected
-    assert result["meta"]["eight_bit_compiled"] and result["meta"]["compile_failure"] is None
+    # The timed 8-bit rows ran a built step (C++ or torch.compile): an eager fallback here means the
+    # install cannot build either, which the README's speed figures do not describe.
+    meta = result["meta"]
+    assert meta["eight_bit_backend"] in ("cpp", "inductor"), meta
+    assert meta["cpp_failure"] is None or meta["eight_bit_backend"] == "inductor", meta
     steps = rows["ours_fp32"]["steps"]
     for row in rows.values():
         assert row["numel"] == 1 << 18 and _finite(row["seconds"], row["gb_per_s"]) and row["seconds"] > 0

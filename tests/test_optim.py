@@ -690,3 +690,30 @@ def test_8bit_backend_argument_is_checked():
         adamw8bit_step_torch(
             torch.zeros(300, dtype=torch.bfloat16), torch.zeros(300, dtype=torch.bfloat16), *state, backend="cpp", **hyper
         )
+
+
+def test_8bit_step_under_fake_tensors_never_builds_and_keeps_the_fast_path(monkeypatch):
+    # The memory planner runs the optimizer under FakeTensorMode: the compiled steps have no data to
+    # read there, and a build failure under it would disable them for every real step afterwards.
+    import torch.utils.cpp_extension as cpp_extension
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_galore_plugin.kernels import adamw8bit
+    from hf_galore_plugin.plan.tracker import LiveBytes
+
+    def never(*args, **kwargs):
+        raise AssertionError("a build was attempted on fake tensors")
+
+    monkeypatch.setattr(torch, "compile", never)
+    monkeypatch.setattr(cpp_extension, "load", never)
+    _reset_backends(monkeypatch, adamw8bit)
+    n = adamw8bit.COMPILE_MIN_NUMEL + 7
+    tracker = LiveBytes(scalar_fallback=True)  # answers the step's scalar reads, as in the planner
+    with FakeTensorMode(), tracker:
+        param, grad, state = torch.zeros(n), torch.ones(n), _eight_bit_state(n, False)
+        adamw8bit.adamw8bit_step_torch(
+            param, grad, *state, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256
+        )
+        assert param.shape == (n,)
+    assert tracker.peak > 0  # the eager step's temporaries were seen by the tracker
+    assert adamw8bit._cpp_failure is None and adamw8bit._compile_failure is None

@@ -336,6 +336,17 @@ def _cpp_applies(param: torch.Tensor, grad: torch.Tensor) -> bool:
     )
 
 
+def _is_traced(*tensors: torch.Tensor) -> bool:
+    """True under a dispatch mode (FakeTensorMode, the planner's byte tracker) or for fake/meta
+    tensors: a compiled step would either see no data or hide its work from the mode."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if _get_current_dispatch_mode_stack():
+        return True
+    return any(t.device.type == "meta" or is_fake(t) for t in tensors)
+
+
 def _compile_enabled() -> bool:
     return os.environ.get("HF_GALORE_COMPILE", "1") != "0"
 
@@ -452,7 +463,9 @@ def adamw8bit_step_torch(
         exp_avg_residual_codes, exp_avg_residual_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
     )  # fmt: skip
     if backend is None:
-        big = n >= COMPILE_MIN_NUMEL and _compile_enabled()
+        # Fake and meta tensors (the memory planner's trace) have no data to hand to a compiled step,
+        # and a failed build under them would disable the compiled steps for the real ones.
+        big = n >= COMPILE_MIN_NUMEL and _compile_enabled() and not _is_traced(param, grad)
         backend = ("cpp" if _cpp_applies(param, grad) else "inductor") if big else "eager"
     if backend == "cpp":
         if not _cpp_applies(param, grad):
