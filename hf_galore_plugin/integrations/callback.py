@@ -232,7 +232,12 @@ class GaLoreCallback(TrainerCallback):
         trainer = self._trainer() if self._trainer is not None else None
         if trainer is not None and getattr(trainer, "_galore_saved_step", None) == state.global_step:
             return
-        from .transformers import save_galore_state
+        from .transformers import save_galore_state, trainer_is_patched
+
+        if not trainer_is_patched():
+            # Without the patches (HF_GALORE_PLUGIN_NO_PATCH=1) the checkpoint's model file holds every
+            # GaLore layer's own tensors, which the Trainer's resume loads back exactly: nothing to add.
+            return
 
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if trainer is None:

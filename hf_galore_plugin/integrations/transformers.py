@@ -30,6 +30,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ __all__ = [
     "apply_patches",
     "check_transformers_version",
     "trainer_patch_targets",
+    "trainer_is_patched",
     "GaLoreOptimizerFactory",
     "served_optimizer_names",
     "galore_config_for",
@@ -690,6 +692,14 @@ def _trainer_requires(trainer_module: Any) -> tuple[PatchTarget, ...]:
     """Trainer methods the patches call without replacing them."""
     trainer_cls = trainer_module.Trainer
     return (PatchTarget(trainer_cls, "_get_output_dir", lambda original: original, "transformers.Trainer._get_output_dir"),)
+
+
+def trainer_is_patched() -> bool:
+    """True when ``transformers.Trainer`` carries the plugin's patches (False without them, e.g. under
+    ``HF_GALORE_PLUGIN_NO_PATCH=1``, or when transformers is not imported yet)."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(trainer_module, "Trainer", None)
+    return isinstance(trainer_cls, type) and _patched(trainer_cls, "_save_checkpoint")
 
 
 def patch_trainer() -> None:
