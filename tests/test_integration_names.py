@@ -155,7 +155,7 @@ def test_import_after_transformers_registers_right_away():
         from transformers import Trainer
         import hf_galore_plugin
         from transformers.training_args import OptimizerNames
-        print(OptimizerNames("qgalore_adamw_8bit").name, Trainer.get_optimizer_cls_and_kwargs._hf_galore_plugin_patch)
+        print(OptimizerNames("qgalore_adamw_8bit").name, Trainer.__init__._hf_galore_plugin_patch)
         """
     )
     assert out.stdout.split() == ["QGALORE_ADAMW_8BIT", "True"]

@@ -10,18 +10,26 @@ the only way that keeps that promise:
   ``transformers.trainer``: ``Trainer``; ``transformers.modeling_utils`` and ``peft.peft_model``:
   ``save_pretrained``).
 
-Each patch runs once per module (idempotent, under a lock); they live in
-:mod:`hf_galore_plugin.integrations.transformers`.
+Each patch runs once per module (idempotent, under a lock) and is all or nothing: every target is
+checked before the first is replaced, and a missing one raises one error naming it, the installed
+version and the supported range (``SUPPORTED_TRANSFORMERS``). The patches live in
+:mod:`hf_galore_plugin.integrations.transformers`; docs/architecture.md lists them.
+
+``HF_GALORE_PLUGIN_NO_PATCH=1`` (read at ``import hf_galore_plugin``) installs no hook and patches
+nothing; README's "Without patching transformers" says what then works.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import os
 import sys
 import threading
 
-__all__ = ["install_transformers_hook", "WATCHED_MODULES"]
+__all__ = ["install_transformers_hook", "patching_disabled", "NO_PATCH_ENV", "WATCHED_MODULES"]
+
+NO_PATCH_ENV = "HF_GALORE_PLUGIN_NO_PATCH"
 
 # module -> name of the function in .transformers that patches it (run after the module executed)
 WATCHED_MODULES = {
@@ -94,20 +102,36 @@ class _TransformersImportHook(importlib.abc.MetaPathFinder):
 _hook = _TransformersImportHook()
 
 
+def patching_disabled() -> bool:
+    """True when ``HF_GALORE_PLUGIN_NO_PATCH`` is set (``1``/``true``/``yes``)."""
+    return os.environ.get(NO_PATCH_ENV, "0").strip().lower() in ("1", "true", "yes")
+
+
 def install_transformers_hook() -> None:
-    """Patch the transformers modules already imported; watch for the others. Idempotent."""
+    """Patch the transformers modules already imported; watch for the others. Idempotent.
+
+    Called at ``import hf_galore_plugin`` unless :func:`patching_disabled`; an explicit call installs
+    the hook regardless. If patching an already imported module fails, the hook is removed again.
+    """
     with _lock:
-        if _hook not in sys.meta_path:
+        installed = _hook in sys.meta_path
+        if not installed:
             sys.meta_path.insert(0, _hook)
-        if "transformers" in sys.modules:
-            # transformers is loaded (its modules load lazily): make the names real members now,
-            # as a user who imported transformers first expects.
-            importlib.import_module("transformers.training_args")
-        for module_name in WATCHED_MODULES:
-            module = sys.modules.get(module_name)
-            # a module still executing (its spec says `_initializing`) is patched by the hook when done
-            if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
-                _apply_patch(module_name)
+        try:
+            if "transformers" in sys.modules:
+                # transformers is loaded (its modules load lazily): make the names real members now,
+                # as a user who imported transformers first expects.
+                importlib.import_module("transformers.training_args")
+            for module_name in WATCHED_MODULES:
+                module = sys.modules.get(module_name)
+                # a module still executing (its spec says `_initializing`) is patched by the hook when done
+                if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
+                    _apply_patch(module_name)
+        except BaseException:
+            if not installed:
+                sys.meta_path.remove(_hook)
+            raise
 
 
-install_transformers_hook()
+if not patching_disabled():
+    install_transformers_hook()

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
-import hf_galore_plugin as hgp
+from ..api import after_step, galore_layers, galore_stats
 
 from ..config import GaLoreConfig
 
@@ -189,11 +189,11 @@ class GaLoreCallback(TrainerCallback):
         prepared = galore_model_of(model)
         if getattr(optimizer, "step_was_skipped", False):
             # The gradients of a skipped step (fp16 overflow: inf/NaN) must not feed the next basis.
-            for _, layer in hgp.galore_layers(prepared):
+            for _, layer in galore_layers(prepared):
                 layer.discard_recorded_gradient()
             return
         step_optimizer = self._engine_optimizer if self._engine_optimizer is not None else unwrap_optimizer(optimizer)
-        event = hgp.after_step(prepared, step_optimizer, root=model)
+        event = after_step(prepared, step_optimizer, root=model)
         if event["refreshed"]:
             self._refreshes_since_log.extend(event["refreshed"])
             if event.get("similarity") is not None:
@@ -214,7 +214,7 @@ class GaLoreCallback(TrainerCallback):
             extra[f"{LOG_PREFIX}refresh_similarity"] = sum(self._similarities_since_log) / len(
                 self._similarities_since_log
             )
-        stats = hgp.galore_stats(galore_model_of(model), unwrap_optimizer(optimizer))
+        stats = galore_stats(galore_model_of(model), unwrap_optimizer(optimizer))
         extra.update({key: float(value) for key, value in stats.items() if value is not None})  # keys "galore/..."
         self._refreshes_since_log.clear()
         self._similarities_since_log.clear()
@@ -232,7 +232,12 @@ class GaLoreCallback(TrainerCallback):
         trainer = self._trainer() if self._trainer is not None else None
         if trainer is not None and getattr(trainer, "_galore_saved_step", None) == state.global_step:
             return
-        from .transformers import save_galore_state
+        from .transformers import save_galore_state, trainer_is_patched
+
+        if not trainer_is_patched():
+            # Without the patches (HF_GALORE_PLUGIN_NO_PATCH=1) the checkpoint's model file holds every
+            # GaLore layer's own tensors, which the Trainer's resume loads back exactly: nothing to add.
+            return
 
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if trainer is None:

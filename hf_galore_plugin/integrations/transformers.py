@@ -30,25 +30,35 @@ import functools
 import inspect
 import logging
 import os
+import sys
 import threading
+import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import transformers
 from torch import nn
 
-import hf_galore_plugin as hgp
-
 from .. import api as _api
+from ..api import create_optimizer, galore_layers, load_galore_state_dict, merged_state_dict, prepare_model
 from ..config import GaLoreConfig
 from ..inject import plain_linear, swap_submodule
 from ..registry import list_optimizer_entry_points, load_optimizer_preset
+from . import NO_PATCH_ENV
 from .optim_args import config_from_training_args
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "NO_TAKEOVER_ENV",
+    "NO_PATCH_ENV",
+    "SUPPORTED_TRANSFORMERS",
+    "PatchTarget",
+    "apply_patches",
+    "check_transformers_version",
+    "trainer_patch_targets",
+    "trainer_is_patched",
     "GaLoreOptimizerFactory",
     "served_optimizer_names",
     "galore_config_for",
@@ -70,11 +80,47 @@ _served: dict[str, str] = {}  # optimizer name -> "added" | "takeover"
 _takeover_logged = False
 
 
+# The transformers versions the patches are tested on (tests/test_integration_*.py on 5.24,
+# scripts/test_transformers_457.sh on 4.57.6). Outside it the plugin still patches, with one warning.
+SUPPORTED_TRANSFORMERS = ">=4.57,<5.25"
+_version_checked = False
+
+
+def _installed_transformers() -> str:
+    return str(getattr(transformers, "__version__", "unknown"))
+
+
 def _internals_missing(what: str) -> RuntimeError:
     return RuntimeError(
-        f"hf_galore_plugin cannot register its optimizers with transformers {transformers.__version__}: "
-        f"{what} is missing. Supported: transformers 4.57.x and 5.x; please report this version."
+        f"hf_galore_plugin cannot patch transformers {_installed_transformers()}: missing {what}. "
+        f"Supported: transformers{SUPPORTED_TRANSFORMERS}; install a version in that range, or set "
+        f"{NO_PATCH_ENV}=1 and use the plugin without patching (README, 'Without patching transformers')."
     )
+
+
+def check_transformers_version() -> bool:
+    """True when the installed transformers is in :data:`SUPPORTED_TRANSFORMERS`; otherwise warns once
+    (a ``UserWarning`` naming both) and returns False. The patches are applied either way: each target
+    is checked before anything is changed (:func:`apply_patches`)."""
+    global _version_checked
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    installed = _installed_transformers()
+    try:
+        supported = Version(installed) in SpecifierSet(SUPPORTED_TRANSFORMERS, prereleases=True)
+    except InvalidVersion:
+        supported = False
+    if not supported and not _version_checked:
+        warnings.warn(
+            f"hf_galore_plugin is tested with transformers{SUPPORTED_TRANSFORMERS}; the installed "
+            f"transformers {installed} is outside that range, so its patches of transformers may not fit "
+            f"(set {NO_PATCH_ENV}=1 to patch nothing).",
+            UserWarning,
+            stacklevel=2,
+        )
+    _version_checked = True
+    return supported
 
 
 def served_optimizer_names() -> dict[str, str]:
@@ -130,15 +176,24 @@ def patch_training_args() -> None:
         raise _internals_missing("transformers.training_args.OptimizerNames")
     takeover = os.environ.get(NO_TAKEOVER_ENV, "0").lower() not in ("1", "true", "yes")
     with _lock:
-        for name in list_optimizer_entry_points():
-            if name in _served:
-                continue
-            if name in enum_cls._value2member_map_:
-                if takeover:
-                    _served[name] = "takeover"
-                continue
-            _add_enum_member(enum_cls, name.upper(), name)
-            _served[name] = "added"
+        check_transformers_version()
+        for attribute in ("_member_map_", "_value2member_map_", "_member_names_"):
+            if not hasattr(enum_cls, attribute):
+                raise _internals_missing(f"transformers.training_args.OptimizerNames.{attribute} (enum internals)")
+        names = [name for name in list_optimizer_entry_points() if name not in _served]
+        new = [name for name in names if name not in enum_cls._value2member_map_]
+        for name in new:  # every clash is found before the first member is added
+            if name.upper() in enum_cls._member_map_:
+                raise RuntimeError(
+                    f"optimizer name {name!r} cannot be added to OptimizerNames: member {name.upper()} already "
+                    f"exists with value {enum_cls._member_map_[name.upper()].value!r}; rename the entry point"
+                )
+        for name in names:
+            if name in new:
+                _add_enum_member(enum_cls, name.upper(), name)
+                _served[name] = "added"
+            elif takeover:
+                _served[name] = "takeover"
 
 
 # ---------------------------------------------------------------------- config and model preparation
@@ -211,7 +266,7 @@ def prepare_model_for_trainer(model: nn.Module, config: GaLoreConfig, name: str)
                     "create TrainingArguments(deepspeed=...) before loading the model"
                 )
             return prepare_zero3_model(model, config, ds_config)
-        return hgp.prepare_model(model, config)
+        return prepare_model(model, config)
     except ValueError as exc:
         linear_names = [module_name for module_name, _ in _linear_layers(model)]
         raise ValueError(
@@ -232,7 +287,7 @@ class GaLoreOptimizerFactory(torch.optim.Optimizer):
     """
 
     def __new__(cls, params, *, galore_model, galore_config, lr, betas, eps, weight_decay):
-        return hgp.create_optimizer(
+        return create_optimizer(
             galore_model,
             galore_config,
             lr=lr,
@@ -303,7 +358,7 @@ def _galore_state_injected(
         layer_name, _, sub_key = key.rpartition(".")
         per_layer.setdefault(layer_name, {})[sub_key] = value
     handles = []
-    for layer_name, layer in hgp.galore_layers(model):
+    for layer_name, layer in galore_layers(model):
         def inject(state_dict, prefix, *unused, layer_state=per_layer.get(layer_name, {}), layer_name=layer_name):
             merged = state_dict.pop(prefix + "weight", None)
             if merged is not None:
@@ -449,7 +504,7 @@ def _check_merged_weights(model: nn.Module, checkpoint_weights: dict[str, torch.
     from ..api import GaLoreCheckpointError
     from .callback import GALORE_STATE_NAME
 
-    for layer_name, layer in hgp.galore_layers(model):
+    for layer_name, layer in galore_layers(model):
         saved = checkpoint_weights.get(layer_name)
         if saved is None or saved.is_meta:
             continue
@@ -484,7 +539,7 @@ def _load_peft_with_galore_state(load: Callable[[], Any], model: nn.Module, fold
     with _merged_linears(model) as linears:
         result = load()
         checkpoint_weights = {name: linear.weight.detach().clone() for name, linear in linears.items()}
-    hgp.load_galore_state_dict(model, payload["state"])
+    load_galore_state_dict(model, payload["state"])
     if payload["format"] is not None:
         _check_merged_weights(model, checkpoint_weights, folder)
     apply_mutable_changes(model, payload["changed"], where=f"checkpoint {folder}")
@@ -505,7 +560,7 @@ def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: s
     with _galore_state_injected(model, payload["state"], checkpoint_weights):
         result = load()
     # strict: every layer and every key must be there (the injected load above is not strict)
-    hgp.load_galore_state_dict(model, payload["state"])
+    load_galore_state_dict(model, payload["state"])
     if payload["format"] is not None:
         _check_merged_weights(model, checkpoint_weights, folder)
     apply_mutable_changes(model, payload["changed"], where=f"checkpoint {folder}")
@@ -513,8 +568,46 @@ def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: s
 
 
 # ---------------------------------------------------------------------- patches
+@dataclass(frozen=True)
+class PatchTarget:
+    """One thing a patch replaces: ``owner.attribute`` (a class or a module), or ``owner[attribute]``
+    when `owner` is a dict (a handler table; such a key may be absent and is then added)."""
+
+    owner: Any
+    attribute: Any
+    wrap: Callable[[Any], Any]  # the original (None for an absent table key) -> the replacement
+    name: str  # for errors, e.g. "transformers.Trainer._load_best_model"
+
+    def exists(self) -> bool:
+        if isinstance(self.owner, dict):
+            return True
+        if isinstance(self.owner, type):
+            return self.attribute in self.owner.__dict__  # defined on the class itself, not inherited
+        return callable(getattr(self.owner, self.attribute, None))
+
+    def current(self) -> Any:
+        if isinstance(self.owner, dict):
+            return self.owner.get(self.attribute)
+        if isinstance(self.owner, type):
+            return self.owner.__dict__.get(self.attribute)
+        return getattr(self.owner, self.attribute, None)
+
+    def set(self, value: Any) -> None:
+        if isinstance(self.owner, dict):
+            if value is None:
+                self.owner.pop(self.attribute, None)
+            else:
+                self.owner[self.attribute] = value
+        else:
+            setattr(self.owner, self.attribute, value)
+
+
+def _is_marked(value: Any) -> bool:
+    return getattr(getattr(value, "__func__", value), "_hf_galore_plugin_patch", False)
+
+
 def _patched(cls: type, attribute: str) -> bool:
-    return getattr(cls.__dict__.get(attribute), "_hf_galore_plugin_patch", False)
+    return _is_marked(cls.__dict__.get(attribute))
 
 
 def _mark(function: Callable) -> Callable:
@@ -522,31 +615,113 @@ def _mark(function: Callable) -> Callable:
     return function
 
 
+def apply_patches(targets: list[PatchTarget], requires: tuple[PatchTarget, ...] = ()) -> bool:
+    """Apply every patch of `targets`, or none: each target (and each of `requires`, attributes the
+    patches call but do not replace) is checked first, and one error names every missing one with the
+    installed transformers version and the supported range; every replacement is built before the first
+    is set, and a failure while setting puts the originals back. Targets already patched are skipped
+    (idempotent). Returns True when something was patched."""
+    with _lock:
+        check_transformers_version()
+        missing = [target.name for target in (*requires, *targets) if not target.exists()]
+        if missing:
+            raise _internals_missing(", ".join(missing))
+        todo = [target for target in targets if not _is_marked(target.current())]
+        replacements = []
+        for target in todo:
+            replacement = target.wrap(target.current())
+            if not _is_marked(replacement):
+                raise TypeError(f"hf_galore_plugin: the patch of {target.name} is not marked (_mark)")
+            replacements.append((target, replacement))
+        applied: list[tuple[PatchTarget, Any]] = []
+        try:
+            for target, replacement in replacements:
+                applied.append((target, target.current()))
+                target.set(replacement)
+        except BaseException:
+            for target, original in reversed(applied):
+                target.set(original)
+            raise
+        return bool(replacements)
+
+
+def _optimizer_handler_table(trainer_module: Any) -> Optional[dict]:
+    """transformers' own table of optimizer handlers (5.x: ``_OPTIMIZER_HANDLERS``, name -> handler(ctx),
+    read by ``Trainer.get_optimizer_cls_and_kwargs``), or None where the version has none (4.57)."""
+    table = getattr(trainer_module, "_OPTIMIZER_HANDLERS", None)
+    return table if isinstance(table, dict) else None
+
+
+def trainer_patch_targets(trainer_module: Any) -> list[PatchTarget]:
+    """Everything :func:`patch_trainer` replaces in `trainer_module` (``transformers.trainer``)."""
+    trainer_cls = getattr(trainer_module, "Trainer", None)
+    if not isinstance(trainer_cls, type):
+        raise _internals_missing("transformers.trainer.Trainer")
+    targets = []
+    table = _optimizer_handler_table(trainer_module)
+    if table is not None:
+        # the plugin's names get their own entries; get_optimizer_cls_and_kwargs stays transformers'
+        from transformers.training_args import OptimizerNames
+
+        for name in sorted(_served):
+            targets.append(
+                PatchTarget(table, OptimizerNames(name), _optimizer_handler(name), f"transformers.trainer._OPTIMIZER_HANDLERS[{name!r}]")
+            )
+    else:
+        targets.append(
+            PatchTarget(trainer_cls, "get_optimizer_cls_and_kwargs", _wrap_optimizer_dispatch,
+                        "transformers.Trainer.get_optimizer_cls_and_kwargs")
+        )
+    for attribute, wrap in (
+        ("__init__", _wrap_init),
+        ("_load_from_checkpoint", _wrap_load_from_checkpoint),
+        ("_load_best_model", _wrap_load_best_model),
+        ("_load_optimizer_and_scheduler", _wrap_load_optimizer_and_scheduler),
+        ("_save_checkpoint", _wrap_save_checkpoint),
+        ("train", _wrap_train),
+    ):
+        targets.append(PatchTarget(trainer_cls, attribute, wrap, f"transformers.Trainer.{attribute}"))
+    targets.append(
+        PatchTarget(trainer_module, "deepspeed_load_checkpoint", _wrap_deepspeed_load_checkpoint,
+                    "transformers.trainer.deepspeed_load_checkpoint")
+    )
+    return targets
+
+
+def _trainer_requires(trainer_module: Any) -> tuple[PatchTarget, ...]:
+    """Trainer methods the patches call without replacing them."""
+    trainer_cls = trainer_module.Trainer
+    return (PatchTarget(trainer_cls, "_get_output_dir", lambda original: original, "transformers.Trainer._get_output_dir"),)
+
+
+def trainer_is_patched() -> bool:
+    """True when ``transformers.Trainer`` carries the plugin's patches (False without them, e.g. under
+    ``HF_GALORE_PLUGIN_NO_PATCH=1``, or when transformers is not imported yet)."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(trainer_module, "Trainer", None)
+    return isinstance(trainer_cls, type) and _patched(trainer_cls, "_save_checkpoint")
+
+
 def patch_trainer() -> None:
-    """Wrap the Trainer methods listed in the module docstring (idempotent)."""
+    """Patch ``transformers.trainer`` (:func:`trainer_patch_targets`), all or nothing (idempotent)."""
     from transformers import trainer as trainer_module
 
-    trainer_cls = getattr(trainer_module, "Trainer", None)
-    for attribute in (
-        "get_optimizer_cls_and_kwargs", "__init__", "_load_from_checkpoint", "_load_best_model", "_save_checkpoint",
-        "_get_output_dir", "train",
-    ):
-        if trainer_cls is None or attribute not in trainer_cls.__dict__:
-            raise _internals_missing(f"transformers.Trainer.{attribute}")
-    if not callable(getattr(trainer_module, "deepspeed_load_checkpoint", None)):
-        raise _internals_missing("transformers.trainer.deepspeed_load_checkpoint")
     patch_training_args()
     with _lock:
-        if _patched(trainer_cls, "__init__"):
-            return
-        _patch_optimizer_dispatch(trainer_cls)
-        _patch_init(trainer_cls)
-        _patch_checkpoints(trainer_cls)
-        _patch_deepspeed_resume(trainer_module)
+        apply_patches(trainer_patch_targets(trainer_module), _trainer_requires(trainer_module))
 
 
-def _patch_optimizer_dispatch(trainer_cls: type) -> None:
-    original = trainer_cls.__dict__["get_optimizer_cls_and_kwargs"]
+def _optimizer_handler(name: str) -> Callable[[Any], Callable]:
+    def wrap(original: Any) -> Callable:
+        def galore_optimizer_handler(ctx):
+            return _galore_optimizer_cls_and_kwargs(ctx.args, ctx.model, name)
+
+        return _mark(galore_optimizer_handler)
+
+    return wrap
+
+
+def _wrap_optimizer_dispatch(original: Any) -> Any:
     original = getattr(original, "__func__", original)
 
     @functools.wraps(original)
@@ -556,11 +731,10 @@ def _patch_optimizer_dispatch(trainer_cls: type) -> None:
             return original(args, model)
         return _galore_optimizer_cls_and_kwargs(args, model, name)
 
-    trainer_cls.get_optimizer_cls_and_kwargs = staticmethod(_mark(get_optimizer_cls_and_kwargs))
+    return staticmethod(_mark(get_optimizer_cls_and_kwargs))
 
 
-def _patch_init(trainer_cls: type) -> None:
-    original = trainer_cls.__init__
+def _wrap_init(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -592,7 +766,7 @@ def _patch_init(trainer_cls: type) -> None:
         _attach_callback(self, config)
         _bind_callbacks(self)
 
-    trainer_cls.__init__ = _mark(__init__)
+    return _mark(__init__)
 
 
 def _check_foreign_optimizer(arguments: dict[str, Any], training_args: Any) -> None:
@@ -641,52 +815,55 @@ def _attach_callback(trainer: Any, config: Optional[GaLoreConfig]) -> None:
     handler.callbacks.insert(0, GaLoreCallback(config))
 
 
-def _patch_checkpoints(trainer_cls: type) -> None:
+def _load_with_galore_checkpoint(trainer: Any, original: Callable[[], Any], folder: str) -> Any:
+    """Run the Trainer's own load of checkpoint `folder`, restoring the GaLore layers from its
+    ``galore_state.pt``. Under DeepSpeed the load goes through ``deepspeed_load_checkpoint``, which
+    restores the GaLore state itself. Under FSDP the checkpoint is the engine's own (distributed
+    checkpoint) and holds the layers' own tensors, not merged weights: nothing to inject;
+    galore_state.pt is loaded shard by shard afterwards."""
     from .callback import galore_model_of
 
-    original_load = trainer_cls._load_from_checkpoint
-    original_load_best = trainer_cls._load_best_model
+    prepared = galore_model_of(trainer.model)
+    if prepared is None or getattr(trainer, "is_deepspeed_enabled", False):
+        return original()
+    if getattr(trainer, "is_fsdp_enabled", False):
+        from ..api import apply_mutable_changes
+        from .distributed import load_gathered_galore_state_dict
 
-    # Under DeepSpeed both load through deepspeed_load_checkpoint, which restores the GaLore state itself.
-    # Under FSDP the checkpoint is the engine's own (distributed checkpoint) and holds the layers' own
-    # tensors, not merged weights: nothing to inject; galore_state.pt is loaded shard by shard afterwards.
-    def load(trainer, original: Callable[[], Any], folder: str) -> Any:
-        prepared = galore_model_of(trainer.model)
-        if prepared is None or getattr(trainer, "is_deepspeed_enabled", False):
-            return original()
-        if getattr(trainer, "is_fsdp_enabled", False):
-            from .distributed import load_gathered_galore_state_dict
+        result = original()
+        root = getattr(trainer, "model_wrapped", None) or trainer.model
+        payload = _read_galore_state(folder, prepared, trainer)
+        load_gathered_galore_state_dict(prepared, payload["state"], root=root)  # every rank
+        apply_mutable_changes(prepared, payload["changed"], where=f"checkpoint {folder}")
+        return result
+    return _load_with_galore_state(original, prepared, folder, trainer)
 
-            result = original()
-            root = getattr(trainer, "model_wrapped", None) or trainer.model
-            from ..api import apply_mutable_changes
 
-            payload = _read_galore_state(folder, prepared, trainer)
-            load_gathered_galore_state_dict(prepared, payload["state"], root=root)  # every rank
-            apply_mutable_changes(prepared, payload["changed"], where=f"checkpoint {folder}")
-            return result
-        return _load_with_galore_state(original, prepared, folder, trainer)
-
-    @functools.wraps(original_load)
+def _wrap_load_from_checkpoint(original: Callable) -> Callable:
+    @functools.wraps(original)
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        return load(self, lambda: original_load(self, resume_from_checkpoint, model), resume_from_checkpoint)
+        return _load_with_galore_checkpoint(
+            self, lambda: original(self, resume_from_checkpoint, model), resume_from_checkpoint
+        )
 
-    @functools.wraps(original_load_best)
+    return _mark(_load_from_checkpoint)
+
+
+def _wrap_load_best_model(original: Callable) -> Callable:
+    @functools.wraps(original)
     def _load_best_model(self):
-        return load(self, lambda: original_load_best(self), self.state.best_model_checkpoint)
+        return _load_with_galore_checkpoint(self, lambda: original(self), self.state.best_model_checkpoint)
 
-    trainer_cls._load_from_checkpoint = _mark(_load_from_checkpoint)
-    trainer_cls._load_best_model = _mark(_load_best_model)
-    _patch_save_checkpoint(trainer_cls)
-    _patch_train(trainer_cls)
+    return _mark(_load_best_model)
 
-    # FSDP1 sharded checkpoints: accelerate's load_fsdp_optimizer reads the saved state into the structure
-    # of the current optimizer's FSDP.optim_state_dict, which is empty for an optimizer that has not
-    # stepped yet, so a resume silently restarts the Adam moments (torch's AdamW too, accelerate 1.x /
-    # torch 2.13). Our optimizer first gets zero state for every parameter so there is something to fill.
-    original_load_optimizer = trainer_cls._load_optimizer_and_scheduler
 
-    @functools.wraps(original_load_optimizer)
+def _wrap_load_optimizer_and_scheduler(original: Callable) -> Callable:
+    """FSDP1 sharded checkpoints: accelerate's load_fsdp_optimizer reads the saved state into the
+    structure of the current optimizer's FSDP.optim_state_dict, which is empty for an optimizer that has
+    not stepped yet, so a resume silently restarts the Adam moments (torch's AdamW too, accelerate 1.x /
+    torch 2.13). Our optimizer first gets zero state for every parameter so there is something to fill."""
+
+    @functools.wraps(original)
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is not None and _is_fsdp1(self):
             from .callback import unwrap_optimizer
@@ -694,12 +871,12 @@ def _patch_checkpoints(trainer_cls: type) -> None:
             optimizer = unwrap_optimizer(self.optimizer)
             if hasattr(optimizer, "initialize_state"):
                 optimizer.initialize_state()
-        return original_load_optimizer(self, checkpoint)
+        return original(self, checkpoint)
 
-    trainer_cls._load_optimizer_and_scheduler = _mark(_load_optimizer_and_scheduler)
+    return _mark(_load_optimizer_and_scheduler)
 
 
-def _patch_save_checkpoint(trainer_cls: type) -> None:
+def _wrap_save_checkpoint(original: Callable) -> Callable:
     """A GaLore checkpoint is complete before anything older is deleted.
 
     transformers writes the model, optimizer, scheduler, RNG and trainer state, then rotates (deletes
@@ -713,8 +890,6 @@ def _patch_save_checkpoint(trainer_cls: type) -> None:
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     from .callback import GALORE_STATE_NAME, galore_model_of
-
-    original = trainer_cls._save_checkpoint
 
     @functools.wraps(original)
     def _save_checkpoint(self, model, trial, *args, **kwargs):
@@ -737,7 +912,7 @@ def _patch_save_checkpoint(trainer_cls: type) -> None:
         if self.args.should_save and limit is not None and limit > 0:
             _rotate(self, run_dir)
 
-    trainer_cls._save_checkpoint = _mark(_save_checkpoint)
+    return _mark(_save_checkpoint)
 
 
 def save_galore_state(trainer: Any, prepared: nn.Module, folder: str) -> None:
@@ -797,12 +972,11 @@ def _rotate(trainer: Any, run_dir: str) -> None:
     )
 
 
-def _patch_train(trainer_cls: type) -> None:
+def _wrap_train(original: Callable) -> Callable:
     """``train(resume_from_checkpoint=True)`` of a GaLore model picks the newest complete checkpoint;
     an explicit incomplete one is refused (:func:`_resolve_resume`)."""
     from .callback import galore_model_of
 
-    original = trainer_cls.train
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -816,7 +990,7 @@ def _patch_train(trainer_cls: type) -> None:
             bound.arguments["resume_from_checkpoint"] = _resolve_resume(self.args.output_dir, resume)
         return original(*bound.args, **bound.kwargs)
 
-    trainer_cls.train = _mark(train)
+    return _mark(train)
 
 
 def _is_fsdp1(trainer: Any) -> bool:
@@ -826,14 +1000,12 @@ def _is_fsdp1(trainer: Any) -> bool:
     return getattr(plugin, "fsdp_version", 1) == 1
 
 
-def _patch_deepspeed_resume(trainer_module: Any) -> None:
+def _wrap_deepspeed_load_checkpoint(original: Callable) -> Callable:
     """After the engine loaded its checkpoint (ZeRO partitions, fp32 masters, optimizer state), restore
     the GaLore layers from ``galore_state.pt``: ZeRO-3 does not restore frozen parameters such as W0,
     which refreshes change."""
     from .callback import galore_model_of
     from .distributed import load_gathered_galore_state_dict
-
-    original = trainer_module.deepspeed_load_checkpoint
 
     @functools.wraps(original)
     def deepspeed_load_checkpoint(deepspeed_engine, checkpoint_path, *args, **kwargs):
@@ -847,7 +1019,7 @@ def _patch_deepspeed_resume(trainer_module: Any) -> None:
             apply_mutable_changes(prepared, payload["changed"], where=f"checkpoint {checkpoint_path}")
         return result
 
-    trainer_module.deepspeed_load_checkpoint = _mark(deepspeed_load_checkpoint)
+    return _mark(deepspeed_load_checkpoint)
 
 
 @contextlib.contextmanager
@@ -865,9 +1037,9 @@ def merged_view(model: nn.Module) -> Iterator[nn.Module]:
 @contextlib.contextmanager
 def _merged_linears(model: nn.Module) -> Iterator[dict[str, nn.Linear]]:
     """:func:`merged_view`, yielding the plain layers put in place of the GaLore layers (by layer name)."""
-    merged = hgp.merged_state_dict(model)
+    merged = merged_state_dict(model)
     swapped, linears = [], {}
-    for layer_name, layer in hgp.galore_layers(model):
+    for layer_name, layer in galore_layers(model):
         key = f"{layer_name}.weight"
         for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
             key = key.replace(wrapper, "")
@@ -886,13 +1058,10 @@ def patch_peft() -> None:
     from peft import peft_model
 
     model_cls = getattr(peft_model, "PeftModel", None)
-    if model_cls is None or "save_pretrained" not in model_cls.__dict__:
-        raise RuntimeError("hf_galore_plugin: peft.PeftModel.save_pretrained is missing in this peft version")
-    with _lock:
-        if _patched(model_cls, "save_pretrained"):
-            return
-        original = model_cls.save_pretrained
+    if not isinstance(model_cls, type):
+        raise _internals_missing("peft.PeftModel")
 
+    def wrap(original: Callable) -> Callable:
         @functools.wraps(original)
         def save_pretrained(self, *args, **kwargs):
             if getattr(self, "galore_config", None) is None:
@@ -900,7 +1069,9 @@ def patch_peft() -> None:
             with merged_view(self):
                 return original(self, *args, **kwargs)
 
-        model_cls.save_pretrained = _mark(save_pretrained)
+        return _mark(save_pretrained)
+
+    apply_patches([PatchTarget(model_cls, "save_pretrained", wrap, "peft.PeftModel.save_pretrained")])
 
 
 def patch_modeling_utils() -> None:
@@ -908,12 +1079,10 @@ def patch_modeling_utils() -> None:
     from transformers import modeling_utils
 
     model_cls = getattr(modeling_utils, "PreTrainedModel", None)
-    if model_cls is None or "save_pretrained" not in model_cls.__dict__:
-        raise _internals_missing("transformers.PreTrainedModel.save_pretrained")
-    with _lock:
-        if _patched(model_cls, "save_pretrained"):
-            return
-        original = model_cls.save_pretrained
+    if not isinstance(model_cls, type):
+        raise _internals_missing("transformers.PreTrainedModel")
+
+    def wrap(original: Callable) -> Callable:
         signature = inspect.signature(original)
 
         @functools.wraps(original)
@@ -924,11 +1093,13 @@ def patch_modeling_utils() -> None:
                 bound = signature.bind(self, *args, **kwargs)
                 given = bound.arguments.get("state_dict")
                 if given is None:
-                    bound.arguments["state_dict"] = hgp.merged_state_dict(self)
+                    bound.arguments["state_dict"] = merged_state_dict(self)
                 elif any(key.endswith(".galore_factor") for key in given):
                     # gathered by an engine (DeepSpeed ZeRO, FSDP full state dict): merge from its tensors
                     bound.arguments["state_dict"] = merged_state_dict_from(self, given)
                 return original(*bound.args, **bound.kwargs)
             return original(self, *args, **kwargs)
 
-        model_cls.save_pretrained = _mark(save_pretrained)
+        return _mark(save_pretrained)
+
+    apply_patches([PatchTarget(model_cls, "save_pretrained", wrap, "transformers.PreTrainedModel.save_pretrained")])
