@@ -320,7 +320,9 @@ def plot_curves(curves: dict[str, list[float]], markers: dict[str, float], path,
     plt.close(fig)
 
 
-def run_jobs(run_one: Callable[[dict], dict], jobs: list[dict[str, Any]], workers: int, log, describe: Callable[[dict], str]) -> list[dict[str, Any]]:
+def run_jobs(
+    run_one: Callable[[dict], dict], jobs: list[dict[str, Any]], workers: int, log, describe: Callable[[dict], str]
+) -> list[dict[str, Any]]:
     """Run `run_one(job)` for every job (`workers` processes at a time; `run_one` must be a module-level
     function so that 'spawn' can send it); each finished run is appended to `log` (JSON lines) and
     printed as `describe(result)`."""
@@ -348,7 +350,9 @@ def same_lr(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9)
 
 
-def seed_jobs_at_best(rows: list[dict[str, Any]], base: dict[str, Any], seeds: list[int], done=None) -> list[dict[str, Any]]:
+def seed_jobs_at_best(
+    rows: list[dict[str, Any]], base: dict[str, Any], seeds: list[int], done=None
+) -> list[dict[str, Any]]:
     """Jobs for `seeds` at each summarized method's best rate (skipping those `done(method, lr, seed)`)."""
     return [
         {**base, "method": row["method"], "lr": row["best_lr"], "seed": seed}
@@ -374,7 +378,9 @@ def extend_runs(
     old = [json.loads(line) for line in extend_from.read_text().splitlines() if line.strip()]
     log = out / "runs.jsonl"
     if log.resolve() == extend_from.resolve():
-        raise SystemExit("--extend-from must not be --out's runs.jsonl (it is rewritten); copy it or choose another --out")
+        raise SystemExit(
+            "--extend-from must not be --out's runs.jsonl (it is rewritten); copy it or choose another --out"
+        )
     log.write_text("".join(json.dumps(r) + "\n" for r in old))
     results = list(old)
     print(f"extending {len(old)} finished runs from {extend_from} (copied to {log})", flush=True)
@@ -430,7 +436,9 @@ def add_grid_arguments(parser, *, methods, seeds, jobs: int, out, rate: str = "l
 
 def check_grid_arguments(parser, args, *, methods, seeds) -> None:
     """Parse and check what add_grid_arguments added (after --quick has set its values)."""
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()] if isinstance(args.methods, str) else args.methods
+    args.methods = (
+        [m.strip() for m in args.methods.split(",") if m.strip()] if isinstance(args.methods, str) else args.methods
+    )
     unknown = [m for m in args.methods if m not in methods]
     if unknown or not args.methods:
         parser.error(f"--methods: unknown {unknown}; choose from {','.join(methods)}")
@@ -476,4 +484,3 @@ def run_grid(sweep_jobs: list[dict[str, Any]], *, out, base: dict[str, Any], oth
         print(f"seeds at the best learning rate: {len(seed_jobs)} runs", flush=True)
         results += run(seed_jobs, log)
     return results
-

@@ -36,7 +36,11 @@ ENGINE = os.environ["ENGINE"]  # ddp | fsdp1 | fsdp2 | zero1 | zero2 | zero3
 METHOD = os.environ["METHOD"]  # adamw_torch | galore_adamw | galore_adamw_8bit | qgalore_adamw_8bit
 BASIS = os.environ.get("BASIS", "svd")
 STEPS, GAP = int(os.environ.get("STEPS", 12)), int(os.environ.get("GAP", 5))
-HIDDEN, LAYERS, RANK = int(os.environ.get("HIDDEN", 256)), int(os.environ.get("LAYERS", 4)), int(os.environ.get("RANK_R", 64))
+HIDDEN, LAYERS, RANK = (
+    int(os.environ.get("HIDDEN", 256)),
+    int(os.environ.get("LAYERS", 4)),
+    int(os.environ.get("RANK_R", 64)),
+)
 SEQ, MICRO_BATCH, LR = 64, 4, 1e-3
 
 # ------------------------------------------------------------------------------------ collective counting
@@ -56,15 +60,22 @@ def _nbytes(value) -> int:
 # per collective: the argument that holds the payload (the reduced / gathered / to-be-scattered tensor)
 # and the kind it is reported under
 _PAYLOAD = {
-    "all_reduce": ("tensor", "all_reduce"), "all_reduce_coalesced": ("tensors", "all_reduce"),
-    "reduce": ("tensor", "all_reduce"), "broadcast": ("tensor", "broadcast/other"),
+    "all_reduce": ("tensor", "all_reduce"),
+    "all_reduce_coalesced": ("tensors", "all_reduce"),
+    "reduce": ("tensor", "all_reduce"),
+    "broadcast": ("tensor", "broadcast/other"),
     "_broadcast_coalesced": ("tensors", "broadcast/other"),
-    "all_gather": ("tensor_list", "all_gather"), "all_gather_into_tensor": ("output_tensor", "all_gather"),
-    "_all_gather_base": ("output_tensor", "all_gather"), "all_gather_single": ("output_tensor", "all_gather"),
+    "all_gather": ("tensor_list", "all_gather"),
+    "all_gather_into_tensor": ("output_tensor", "all_gather"),
+    "_all_gather_base": ("output_tensor", "all_gather"),
+    "all_gather_single": ("output_tensor", "all_gather"),
     "all_gather_coalesced": ("output_tensor_lists", "all_gather"),
-    "reduce_scatter": ("input_list", "reduce_scatter"), "reduce_scatter_tensor": ("input", "reduce_scatter"),
-    "_reduce_scatter_base": ("input", "reduce_scatter"), "reduce_scatter_single": ("input", "reduce_scatter"),
-    "all_to_all_single": ("input", "broadcast/other"), "all_to_all": ("input_tensor_list", "broadcast/other"),
+    "reduce_scatter": ("input_list", "reduce_scatter"),
+    "reduce_scatter_tensor": ("input", "reduce_scatter"),
+    "_reduce_scatter_base": ("input", "reduce_scatter"),
+    "reduce_scatter_single": ("input", "reduce_scatter"),
+    "all_to_all_single": ("input", "broadcast/other"),
+    "all_to_all": ("input_tensor_list", "broadcast/other"),
 }
 
 
@@ -98,8 +109,6 @@ for _name in _PAYLOAD:
         _wrap(_name)
 
 
-
-
 # ------------------------------------------------------------------------------------------- memory
 def live_tensor_bytes() -> int:
     gc.collect()
@@ -123,13 +132,19 @@ def live_tensor_bytes() -> int:
 # -------------------------------------------------------------------------------------------- model
 _DENSE_PARAMETERS = [0]
 
+
 def build_model() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HIDDEN // 64, num_key_value_heads=HIDDEN // 64,
-        intermediate_size=int(HIDDEN * 2.6875) // 8 * 8, vocab_size=1024, max_position_embeddings=SEQ,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HIDDEN // 64,
+        num_key_value_heads=HIDDEN // 64,
+        intermediate_size=int(HIDDEN * 2.6875) // 8 * 8,
+        vocab_size=1024,
+        max_position_embeddings=SEQ,
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
@@ -174,9 +189,12 @@ def main(out: str) -> None:
         # gloo does not need the shared-memory op that DeepSpeed compiles with g++ on first use
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         config = {
-            "train_batch_size": MICRO_BATCH * world, "train_micro_batch_size_per_gpu": MICRO_BATCH,
-            "gradient_accumulation_steps": 1, "zero_optimization": {"stage": int(ENGINE[-1])},
-            "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+            "train_batch_size": MICRO_BATCH * world,
+            "train_micro_batch_size_per_gpu": MICRO_BATCH,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": int(ENGINE[-1])},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,
         }
         engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
         refresh_optimizer = None
@@ -212,7 +230,9 @@ def main(out: str) -> None:
             from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
             model = forward_model = FullyShardedDataParallel(
-                model, use_orig_params=True, device_id=torch.device("cpu"),
+                model,
+                use_orig_params=True,
+                device_id=torch.device("cpu"),
                 auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
             )
         optimizer = make_optimizer(model)
@@ -250,10 +270,16 @@ def main(out: str) -> None:
             optimizer.zero_grad(set_to_none=True)
         times = torch.tensor([end - start, end - compute_end])
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
-        records.append({
-            "step": step, "refreshed": refreshed, "seconds": float(times[0]), "refresh_seconds": float(times[1]),
-            "step_bytes": dict(_BYTES["step"]), "refresh_bytes": dict(_BYTES["refresh"]),
-        })
+        records.append(
+            {
+                "step": step,
+                "refreshed": refreshed,
+                "seconds": float(times[0]),
+                "refresh_seconds": float(times[1]),
+                "step_bytes": dict(_BYTES["step"]),
+                "refresh_bytes": dict(_BYTES["refresh"]),
+            }
+        )
 
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     per_rank = torch.tensor([float(memory_after_step), float(peak_rss)])
@@ -261,9 +287,17 @@ def main(out: str) -> None:
     dist.all_gather(gathered, per_rank)
     if rank == 0:
         result = {
-            "engine": ENGINE, "method": METHOD, "basis": BASIS if galore else "", "world": world,
-            "steps": STEPS, "gap": GAP, "hidden": HIDDEN, "layers": LAYERS, "rank": RANK if galore else None,
-            "model_parameters": _DENSE_PARAMETERS[0], "records": records,
+            "engine": ENGINE,
+            "method": METHOD,
+            "basis": BASIS if galore else "",
+            "world": world,
+            "steps": STEPS,
+            "gap": GAP,
+            "hidden": HIDDEN,
+            "layers": LAYERS,
+            "rank": RANK if galore else None,
+            "model_parameters": _DENSE_PARAMETERS[0],
+            "records": records,
             "live_tensor_bytes_per_rank": [float(g[0]) for g in gathered],
             "peak_rss_bytes_per_rank": [float(g[1]) for g in gathered],
         }

@@ -38,7 +38,10 @@ BASE = "qgalore_adamw_8bit"
 
 # name -> (question it answers, GaLoreConfig overrides of the preset). The default row changes nothing.
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
-    "default": ("shipped qgalore_adamw_8bit (lr_scale 0.85, lazy refresh, keep moments, svd, INT4 basis, INT8 W0, 8-bit state)", {}),
+    "default": (
+        "shipped qgalore_adamw_8bit (lr_scale 0.85, lazy refresh, keep moments, svd, INT4 basis, INT8 W0, 8-bit state)",
+        {},
+    ),
     "lr_scale_1": ("lr_scale 1.0 instead of 0.85", {"lr_scale": 1.0}),
     "lr_recovery": ("lr_scale 0.85 recovering to 1.0 over the first 10% of training", {"lr_recovery_fraction": 0.1}),
     "lazy_off": ("lazy refresh off (gap 50: too few refreshes for lazy growth to act)", {"lazy_refresh": False}),
@@ -55,9 +58,15 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "w0_nf4": ("W0 stored NF4 (block 64)", {"weight_storage": "nf4"}),
     "state_fp32": ("fp32 optimizer state", {"state_bits": 32}),
     "state_8bit_ef": ("8-bit state with error feedback", {"error_feedback": True}),
-    "refresh_staggered": ("staggered refresh phases, budget one layer's fp32 gradient", {"refresh_schedule": "staggered"}),
+    "refresh_staggered": (
+        "staggered refresh phases, budget one layer's fp32 gradient",
+        {"refresh_schedule": "staggered"},
+    ),
     "refresh_sketch": ("streaming sketch basis (single pass, oversampling 8)", {"basis_method": "sketch"}),
-    "refresh_staggered_sketch": ("staggered phases + streaming sketch", {"refresh_schedule": "staggered", "basis_method": "sketch"}),
+    "refresh_staggered_sketch": (
+        "staggered phases + streaming sketch",
+        {"refresh_schedule": "staggered", "basis_method": "sketch"},
+    ),
 }
 
 

@@ -40,11 +40,27 @@ def run_job(engine: str, method: str, basis: str, args, out_dir: Path) -> dict:
     out = out_dir / f"{engine}_{method}_{basis or 'dense'}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(
-        ENGINE=engine, METHOD=method, BASIS=basis or "svd", STEPS=str(args.steps), GAP=str(args.gap),
-        HIDDEN=str(args.hidden), LAYERS=str(args.layers), RANK_R=str(args.rank), OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+        ENGINE=engine,
+        METHOD=method,
+        BASIS=basis or "svd",
+        STEPS=str(args.steps),
+        GAP=str(args.gap),
+        HIDDEN=str(args.hidden),
+        LAYERS=str(args.layers),
+        RANK_R=str(args.rank),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
     )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        str(out),
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"{engine} / {method} / {basis} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -64,14 +80,19 @@ def summarize(run: dict) -> dict:
     refresh_bytes = median_bytes(refresh, "refresh_bytes") if refresh else {}
     refresh_steps_after_calibration = [r for r in records if r["refreshed"]]
     return {
-        "engine": run["engine"], "method": run["method"], "basis": run["basis"],
-        "step_bytes": step_bytes, "step_bytes_total": sum(step_bytes.values()),
-        "refresh_bytes": refresh_bytes, "refresh_bytes_total": sum(refresh_bytes.values()),
+        "engine": run["engine"],
+        "method": run["method"],
+        "basis": run["basis"],
+        "step_bytes": step_bytes,
+        "step_bytes_total": sum(step_bytes.values()),
+        "refresh_bytes": refresh_bytes,
+        "refresh_bytes_total": sum(refresh_bytes.values()),
         "refreshes": len(refresh),
         "step_seconds": statistics.median(r["seconds"] for r in normal),
         "refresh_step_seconds": (
             statistics.median(r["seconds"] for r in refresh_steps_after_calibration)
-            if refresh_steps_after_calibration else None
+            if refresh_steps_after_calibration
+            else None
         ),
         "live_tensor_bytes": max(run["live_tensor_bytes_per_rank"]),
         "peak_rss_bytes": max(run["peak_rss_bytes_per_rank"]),
@@ -133,8 +154,12 @@ def plot(rows: list[dict], path: Path) -> None:
         label = method + (f" ({basis})" if basis and basis != "svd" else "")
         by_engine = {r["engine"]: r for r in rows if (r["method"], r["basis"]) == (method, basis)}
         xs = [j + i * width for j in range(len(engines))]
-        axes[0].bar(xs, [by_engine[e]["step_bytes_total"] / MB if e in by_engine else 0 for e in engines], width, label=label)
-        axes[1].bar(xs, [by_engine[e]["live_tensor_bytes"] / MB if e in by_engine else 0 for e in engines], width, label=label)
+        axes[0].bar(
+            xs, [by_engine[e]["step_bytes_total"] / MB if e in by_engine else 0 for e in engines], width, label=label
+        )
+        axes[1].bar(
+            xs, [by_engine[e]["live_tensor_bytes"] / MB if e in by_engine else 0 for e in engines], width, label=label
+        )
     for ax, title in zip(axes, ("MB moved by collectives per normal step, per rank", "live tensor MB per rank")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(engines))], engines)
         ax.set_title(title, fontsize=10)
@@ -148,7 +173,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/distributed")
     parser.add_argument(
-        "--quick", action="store_true", help="DDP, FSDP2, ZeRO-2; AdamW and galore_adamw (+ randomized refresh on DDP); tiny model"
+        "--quick",
+        action="store_true",
+        help="DDP, FSDP2, ZeRO-2; AdamW and galore_adamw (+ randomized refresh on DDP); tiny model",
     )
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--hidden", type=int, default=256)
@@ -170,7 +197,9 @@ def main() -> None:
     rows, started = [], time.time()
     jobs = [(e, m, b) for e in engines for m, b in SETUPS]
     if args.quick:  # dense vs galore_adamw everywhere, the sketch refresh under DDP only
-        jobs = [(e, m, b) for e, m, b in jobs if m == "adamw_torch" or (m == "galore_adamw" and (b == "svd" or e == "ddp"))]
+        jobs = [
+            (e, m, b) for e, m, b in jobs if m == "adamw_torch" or (m == "galore_adamw" and (b == "svd" or e == "ddp"))
+        ]
     for index, (engine, method, basis) in enumerate(jobs, 1):
         t0 = time.time()
         print(f"[{index}/{len(jobs)}] {engine} {method} {basis or ''} ...", end=" ", flush=True)
@@ -181,7 +210,9 @@ def main() -> None:
     (out_dir / "distributed.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     plot(rows, out_dir / "distributed.png")
     print(table)
-    print(f"\n{len(jobs)} runs in {time.time() - started:.0f} s; wrote {out_dir}/distributed.md, distributed.json, distributed.png")
+    print(
+        f"\n{len(jobs)} runs in {time.time() - started:.0f} s; wrote {out_dir}/distributed.md, distributed.json, distributed.png"
+    )
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ FROZEN = ("head_only",)  # no encoder rate to sweep: one run at seed 0, then the
 
 def factors_of(method: str, factors: tuple[float, ...]) -> tuple[float, ...]:
     return (1.0,) if method in FROZEN else factors
+
+
 GALORE_RANK, GALORE_SCALE = 8, 4.0
 SEEDS = (0, 1, 2)
 TARGETS = r"encoder\.encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
@@ -328,8 +330,12 @@ def summarize(results: list[dict[str, Any]], methods: list[str]) -> list[dict[st
                 "best_lr": best["lr"],
                 "best_at_grid_edge": len(sweep) > 1 and best["lr"] in (sweep[0]["lr"], sweep[-1]["lr"]),
                 "sweep": [
-                    {"lr": r["lr"], "dev_accuracy": r["dev_accuracy"], "dev_loss": r["dev_loss"],
-                     "test_accuracy": r["test_accuracy"]}
+                    {
+                        "lr": r["lr"],
+                        "dev_accuracy": r["dev_accuracy"],
+                        "dev_loss": r["dev_loss"],
+                        "test_accuracy": r["test_accuracy"],
+                    }
                     for r in sweep
                 ],  # fmt: skip
                 "seeds": [r["seed"] for r in seeds],
@@ -376,7 +382,9 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
 
 # ---------------------------------------------------------------------- main
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 passages per play, 16 steps, one seed")
     parser.add_argument("--max-steps", type=int, help="stop every run after this many steps (sizing a run)")
     _common.add_grid_arguments(
@@ -420,16 +428,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     ]
     if args.extend_from:
         results = _common.extend_runs(
-            extend_from=args.extend_from, out=args.out, methods=args.methods, documented_lr=ENCODER_LR,
-            multipliers=args.lr_multipliers, base=base, first_seed=SEEDS[0], other_seeds=SEEDS[1 : args.seeds],
-            run=lambda jobs: run_jobs(jobs, args.jobs, args.out / "runs.jsonl"), summarize=summarize, skip=FROZEN,
+            extend_from=args.extend_from,
+            out=args.out,
+            methods=args.methods,
+            documented_lr=ENCODER_LR,
+            multipliers=args.lr_multipliers,
+            base=base,
+            first_seed=SEEDS[0],
+            other_seeds=SEEDS[1 : args.seeds],
+            run=lambda jobs: run_jobs(jobs, args.jobs, args.out / "runs.jsonl"),
+            summarize=summarize,
+            skip=FROZEN,
         )
         write_report(args, results, time.perf_counter() - started, factors)
         data_path.unlink()
         return 0
     results = _common.run_grid(
-        sweep_jobs, out=args.out, base=base, other_seeds=SEEDS[1 : args.seeds], methods=args.methods,
-        run=lambda jobs, log: run_jobs(jobs, args.jobs, log), summarize=summarize,
+        sweep_jobs,
+        out=args.out,
+        base=base,
+        other_seeds=SEEDS[1 : args.seeds],
+        methods=args.methods,
+        run=lambda jobs, log: run_jobs(jobs, args.jobs, log),
+        summarize=summarize,
     )
     write_report(args, results, time.perf_counter() - started, factors)
     data_path.unlink()

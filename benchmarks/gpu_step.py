@@ -104,7 +104,9 @@ def kernel(args: argparse.Namespace) -> None:
             rows.append((f"bitsandbytes AdamW8bit, {str(dtype)[6:]} params", n, seconds, moved))
             del bnb_opt, q
         except Exception as exc:  # not importable, or no kernel for this device
-            rows.append((f"bitsandbytes AdamW8bit, {str(dtype)[6:]} params: not run ({type(exc).__name__})", n, None, moved))
+            rows.append(
+                (f"bitsandbytes AdamW8bit, {str(dtype)[6:]} params: not run ({type(exc).__name__})", n, None, moved)
+            )
         del param, grad, codes, scales
     # The floor of a memory-bound step: a device-to-device copy of the same size, counted as bytes read
     # plus bytes written (the same definition as the rows' "bytes that must move").

@@ -48,8 +48,12 @@ QGALORE_FRACTION_TARGET = 0.30
 QGALORE_7B_TARGET_BYTES = 11e9
 
 SIZES = {
-    "350m": dict(hidden_size=1024, intermediate_size=2736, num_hidden_layers=24, num_attention_heads=16, vocab_size=32000),
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, vocab_size=32000),
+    "350m": dict(
+        hidden_size=1024, intermediate_size=2736, num_hidden_layers=24, num_attention_heads=16, vocab_size=32000
+    ),
+    "7b": dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, vocab_size=32000
+    ),
     # --quick: a small Llama, for CI
     "quick": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=2, vocab_size=2000),
 }
@@ -230,7 +234,10 @@ def checks(small: dict[str, dict[str, Any]], big: dict[str, dict[str, Any]], sma
             q_small <= QGALORE_FRACTION_TARGET,
         )
     else:  # the small model's embeddings (trained by plain 8-bit AdamW) are too large a share for the target
-        fraction = (f"{small_name}: qgalore_adamw_8bit = {q_small:.1%} of AdamW (< 100%; the 30% target is for 350M)", q_small < 1)
+        fraction = (
+            f"{small_name}: qgalore_adamw_8bit = {q_small:.1%} of AdamW (< 100%; the 30% target is for 350M)",
+            q_small < 1,
+        )
     return [
         fraction,
         (
@@ -284,7 +291,9 @@ def run_all(label: str, runner: Callable[[str], dict[str, Any]]) -> dict[str, di
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small Llama instead of ~350M (CI smoke run)")
-    parser.add_argument("--rank", type=int, default=256, help="GaLore rank (default 256; --quick: 32 for the small model)")
+    parser.add_argument(
+        "--rank", type=int, default=256, help="GaLore rank (default 256; --quick: 32 for the small model)"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "outputs" / "benchmarks")
     args = parser.parse_args(argv)
     small = "quick" if args.quick else "350m"

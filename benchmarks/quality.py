@@ -111,9 +111,7 @@ def prepare_data(size: Size, path: pathlib.Path) -> dict[str, Any]:
     data = {
         "vocab_size": len(tokenizer),
         "train": demo.token_blocks(tokenizer, train_text, size.seq_len),
-        "heldout": demo.token_blocks(
-            tokenizer, demo.HELDOUT_TEXT.read_text(encoding="ascii"), size.seq_len
-        ),
+        "heldout": demo.token_blocks(tokenizer, demo.HELDOUT_TEXT.read_text(encoding="ascii"), size.seq_len),
     }
     torch.save(data, path)
     return data
@@ -346,7 +344,9 @@ def markdown(rows: list[dict[str, Any]], checks: list[dict[str, Any]], header: s
 
 # ---------------------------------------------------------------------- main
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model and token budget (default: tiny)")
     parser.add_argument("--quick", action="store_true", help="smoke run: size 'quick', documented lr only, one seed")
     parser.add_argument("--steps", type=int, help="override the size's optimizer steps")
@@ -385,9 +385,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     factors = (1.0,) if args.no_sweep else LR_FACTORS
     if args.extend_from:
         results = _common.extend_runs(
-            extend_from=args.extend_from, out=args.out, methods=args.methods, documented_lr=DOCUMENTED_LR,
-            multipliers=args.lr_multipliers, base=base, first_seed=SEEDS[0], other_seeds=SEEDS[1 : args.seeds],
-            run=lambda jobs: run_jobs(jobs, args.jobs, args.out / "runs.jsonl"), summarize=summarize,
+            extend_from=args.extend_from,
+            out=args.out,
+            methods=args.methods,
+            documented_lr=DOCUMENTED_LR,
+            multipliers=args.lr_multipliers,
+            base=base,
+            first_seed=SEEDS[0],
+            other_seeds=SEEDS[1 : args.seeds],
+            run=lambda jobs: run_jobs(jobs, args.jobs, args.out / "runs.jsonl"),
+            summarize=summarize,
         )
         write_report(args, results, params, device, data["vocab_size"], time.perf_counter() - started, factors)
         data_path.unlink()
@@ -399,8 +406,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         for m in args.methods
     ]
     results = _common.run_grid(
-        sweep_jobs, out=args.out, base=base, other_seeds=SEEDS[1 : args.seeds], methods=args.methods,
-        run=lambda jobs, log: run_jobs(jobs, args.jobs, log), summarize=summarize,
+        sweep_jobs,
+        out=args.out,
+        base=base,
+        other_seeds=SEEDS[1 : args.seeds],
+        methods=args.methods,
+        run=lambda jobs, log: run_jobs(jobs, args.jobs, log),
+        summarize=summarize,
     )
     write_report(args, results, params, device, data["vocab_size"], time.perf_counter() - started, factors)
     data_path.unlink()

@@ -78,13 +78,20 @@ def cpu_rows(x: torch.Tensor, repeats: int) -> list[list[str]]:
             repeats,
         )
         moved = x.nbytes + state_bytes
-        rows.append([
-            scheme, str(bits), str(block),
-            f"{plain.nbytes * 8 / x.numel():.3f}", f"{nested.nbytes * 8 / x.numel():.3f}",
-            f"{error.pow(2).mean().item():.3e}", f"{nested_error.pow(2).mean().item():.3e}",
-            f"{error.abs().max().item():.3e}",
-            f"{moved / quant_s / 1e9:.2f}", f"{moved / dequant_s / 1e9:.2f}",
-        ])
+        rows.append(
+            [
+                scheme,
+                str(bits),
+                str(block),
+                f"{plain.nbytes * 8 / x.numel():.3f}",
+                f"{nested.nbytes * 8 / x.numel():.3f}",
+                f"{error.pow(2).mean().item():.3e}",
+                f"{nested_error.pow(2).mean().item():.3e}",
+                f"{error.abs().max().item():.3e}",
+                f"{moved / quant_s / 1e9:.2f}",
+                f"{moved / dequant_s / 1e9:.2f}",
+            ]
+        )
     return rows
 
 
@@ -125,12 +132,16 @@ def gpu_rows(numel: int, repeats: int) -> tuple[float, list[list[str]]]:
             ),
             repeats,
         )
-        rows.append([
-            scheme, str(bits), str(kwargs["block_size"]),
-            f"{quant / 1e9:.0f} ({quant / copy_bandwidth:.0%})",
-            f"{stochastic / 1e9:.0f} ({stochastic / copy_bandwidth:.0%})",
-            f"{dequant / 1e9:.0f} ({dequant / copy_bandwidth:.0%})",
-        ])
+        rows.append(
+            [
+                scheme,
+                str(bits),
+                str(kwargs["block_size"]),
+                f"{quant / 1e9:.0f} ({quant / copy_bandwidth:.0%})",
+                f"{stochastic / 1e9:.0f} ({stochastic / copy_bandwidth:.0%})",
+                f"{dequant / 1e9:.0f} ({dequant / copy_bandwidth:.0%})",
+            ]
+        )
     return copy_bandwidth, rows
 
 
@@ -140,8 +151,16 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 CPU_HEADER = [
-    "scheme", "bits", "block", "bits/value", "bits/value (double quant)", "MSE", "MSE (double quant)",
-    "max abs err", "quantize GB/s (CPU twin)", "dequantize GB/s (CPU twin)",
+    "scheme",
+    "bits",
+    "block",
+    "bits/value",
+    "bits/value (double quant)",
+    "MSE",
+    "MSE (double quant)",
+    "max abs err",
+    "quantize GB/s (CPU twin)",
+    "dequantize GB/s (CPU twin)",
 ]
 
 
@@ -172,8 +191,14 @@ def main() -> None:
     if torch.cuda.is_available():
         gpu_numel = 1 << 25  # 128 MB of fp32
         bandwidth, rows = gpu_rows(gpu_numel, 20)
-        header = ["scheme", "bits", "block", "quantize GB/s (of copy)", "stochastic GB/s (of copy)",
-                  "dequantize GB/s (of copy)"]
+        header = [
+            "scheme",
+            "bits",
+            "block",
+            "quantize GB/s (of copy)",
+            "stochastic GB/s (of copy)",
+            "dequantize GB/s (of copy)",
+        ]
         sections.append(
             f"## Triton kernels on {torch.cuda.get_device_name()}, {gpu_numel} fp32 values;"
             f" device copy bandwidth {bandwidth / 1e9:.0f} GB/s\n\n" + markdown_table(header, rows)

@@ -65,7 +65,11 @@ def measured_tiny(config_overrides: dict, steps: int) -> dict[str, int]:
     size = quality.SIZES["tiny"]
     model = quality.build_model(size, size.vocab_size, seed=0, device=torch.device("cpu"))
     config = GaLoreConfig.preset(
-        "qgalore_adamw_8bit", rank=size.rank, update_proj_gap=size.gap, target_modules=quality.TARGETS, **config_overrides
+        "qgalore_adamw_8bit",
+        rank=size.rank,
+        update_proj_gap=size.gap,
+        target_modules=quality.TARGETS,
+        **config_overrides,
     )
     model = prepare_model(model, config)
     optimizer = create_optimizer(model, lr=1e-3)
@@ -85,7 +89,9 @@ def measured_tiny(config_overrides: dict, steps: int) -> dict[str, int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=24, help="steps of the measured tiny-Llama run (its 20 phases fit 24)")
+    parser.add_argument(
+        "--steps", type=int, default=24, help="steps of the measured tiny-Llama run (its 20 phases fit 24)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--rank", type=int, default=256, help="GaLore rank of the planned models (default 256)")
     args = parser.parse_args(argv)
@@ -98,7 +104,9 @@ def main(argv=None) -> int:
         shapes = llama_shapes(*dims)
         for variant, overrides in VARIANTS.items():
             plan = planned_peak(shapes, GaLoreConfig(rank=args.rank, update_proj_gap=200, **overrides))
-            print(f"| {name} | {variant} | {_common.mb(plan['peak'])} | {_common.mb(plan['total'])} | {plan['phases']} |")
+            print(
+                f"| {name} | {variant} | {_common.mb(plan['peak'])} | {_common.mb(plan['total'])} | {plan['phases']} |"
+            )
 
     print(f"\nMeasured on the tiny Llama (qgalore_adamw_8bit, rank 32, gap 50, {args.steps} steps, random tokens):\n")
     print("| schedule, basis | measured peak per step | planned peak | steps that recorded |")
@@ -106,7 +114,9 @@ def main(argv=None) -> int:
     for variant, overrides in VARIANTS.items():
         result = measured_tiny(overrides, args.steps)
         assert result["peak"] == result["plan"]["peak"], (variant, result)
-        print(f"| {variant} | {_common.mb(result['peak'])} | {_common.mb(result['plan']['peak'])} | {result['steps_recording']} |")
+        print(
+            f"| {variant} | {_common.mb(result['peak'])} | {_common.mb(result['plan']['peak'])} | {result['steps_recording']} |"
+        )
     return 0
 
 

@@ -34,7 +34,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 SIZES = {
     "60m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=32000),
-    "h1024": dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=4, num_attention_heads=16, vocab_size=30000),
+    "h1024": dict(
+        hidden_size=1024, intermediate_size=2752, num_hidden_layers=4, num_attention_heads=16, vocab_size=30000
+    ),
     "quick": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=2, vocab_size=2000),
 }
 
@@ -172,9 +174,7 @@ def report(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for method, row in result["rows"].items():
-        refresh = (
-            f"{row['median_refresh_step_s'] * 1e3:.0f} ({row['refresh_steps']})" if row["refresh_steps"] else "-"
-        )
+        refresh = f"{row['median_refresh_step_s'] * 1e3:.0f} ({row['refresh_steps']})" if row["refresh_steps"] else "-"
         lines.append(
             f"| {method} | {row['median_step_s'] * 1e3:.0f} ({row['ordinary_steps']} steps) | "
             f"{row['ratio_vs_adamw']:.2f}x | {refresh} | {row['amortized_step_s'] * 1e3:.0f} | "

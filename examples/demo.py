@@ -76,9 +76,13 @@ class Scale:
 
 SCALES = {
     # ~1.1M parameters, 150 steps of 8 x 128 tokens (0.15M tokens, a sixth of the training text).
-    "cpu": Scale(hidden=128, layers=4, heads=4, intermediate=352, seq_len=128, batch_size=8, steps=150, vocab_size=1024),
+    "cpu": Scale(
+        hidden=128, layers=4, heads=4, intermediate=352, seq_len=128, batch_size=8, steps=150, vocab_size=1024
+    ),
     # ~13M parameters, 1500 steps of 32 x 256 tokens: a few minutes per method on one GPU.
-    "gpu": Scale(hidden=384, layers=8, heads=8, intermediate=1024, seq_len=256, batch_size=32, steps=1500, vocab_size=2048),
+    "gpu": Scale(
+        hidden=384, layers=8, heads=8, intermediate=1024, seq_len=256, batch_size=32, steps=1500, vocab_size=2048
+    ),
 }
 
 
@@ -428,7 +432,9 @@ def plot(results: list[dict[str, Any]], out: pathlib.Path) -> list[pathlib.Path]
 
 # ---------------------------------------------------------------------- main
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu", help="model and run size (default: cpu)")
     parser.add_argument("--steps", type=int, help="optimizer steps per method (default: the scale's)")
     parser.add_argument(

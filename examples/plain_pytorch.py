@@ -30,7 +30,9 @@ def byte_batches(text: bytes, *, steps: int, batch: int, seq: int, seed: int):
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="galore_adamw", choices=["galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"])
+    parser.add_argument(
+        "--preset", default="galore_adamw", choices=["galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"]
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--gap", type=int, default=20)
@@ -40,8 +42,15 @@ def main(argv=None) -> dict:
     text = (DATA / "shakespeare.txt").read_bytes()
     torch.manual_seed(0)
     model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=128,
+        )
     )
     config = GaLoreConfig.preset(args.preset, rank=args.rank, update_proj_gap=args.gap)
     model = prepare_model(model, config)
@@ -57,7 +66,9 @@ def main(argv=None) -> dict:
         if event["refreshed"] or step % 20 == 0:
             print(f"step {step:4d}  loss {loss.item():.3f}  refreshed {len(event['refreshed'])} layers")
     stats = galore_stats(model, optimizer)
-    print(f"optimizer state: {stats['galore/bytes_optimizer_state']:.0f} bytes; refreshes {stats['galore/refreshes']:.0f}")
+    print(
+        f"optimizer state: {stats['galore/bytes_optimizer_state']:.0f} bytes; refreshes {stats['galore/refreshes']:.0f}"
+    )
     model = merge_and_unload(model)
     print(f"first loss {losses[0]:.3f} (ln 256 = {math.log(256):.3f}), last {losses[-1]:.3f}")
     return {"losses": losses, "model": model}

@@ -33,8 +33,12 @@ def main() -> None:
         (ModelArguments, DataArguments, TrainingArguments)
     ).parse_args_into_dataclasses()
     config = LlamaConfig(
-        hidden_size=model_args.hidden_size, num_hidden_layers=model_args.num_hidden_layers, num_attention_heads=4,
-        num_key_value_heads=4, intermediate_size=model_args.intermediate_size, vocab_size=256,
+        hidden_size=model_args.hidden_size,
+        num_hidden_layers=model_args.num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=model_args.intermediate_size,
+        vocab_size=256,
         max_position_embeddings=data_args.block_size,
     )
     model = LlamaForCausalLM(config)
@@ -44,8 +48,10 @@ def main() -> None:
     trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset)
     result = trainer.train()
     trainer.save_model()
-    print(f"optim={training_args.optim.value} final_loss={result.training_loss:.4f} "
-          f"layers={type(model.model.layers[0].mlp.down_proj).__name__}")
+    print(
+        f"optim={training_args.optim.value} final_loss={result.training_loss:.4f} "
+        f"layers={type(model.model.layers[0].mlp.down_proj).__name__}"
+    )
 
 
 if __name__ == "__main__":

@@ -18,10 +18,17 @@ PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
-        vocab_size=256, max_position_embeddings=64,
-    ))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=128,
+            vocab_size=256,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def byte_dataset(block_size: int = 32) -> list[dict]:
@@ -37,10 +44,20 @@ def main() -> None:
     cli = parser.parse_args()
     for optim in PRESETS:
         args = TrainingArguments(
-            output_dir=os.path.join(cli.output_dir, optim), optim=optim, optim_args="rank=16,update_proj_gap=4",
-            max_steps=cli.steps, per_device_train_batch_size=4, learning_rate=2e-3, lr_scheduler_type="cosine",
-            warmup_steps=2, weight_decay=0.01, logging_steps=max(1, cli.steps // 2), save_strategy="no",
-            report_to=[], use_cpu=True, disable_tqdm=True,
+            output_dir=os.path.join(cli.output_dir, optim),
+            optim=optim,
+            optim_args="rank=16,update_proj_gap=4",
+            max_steps=cli.steps,
+            per_device_train_batch_size=4,
+            learning_rate=2e-3,
+            lr_scheduler_type="cosine",
+            warmup_steps=2,
+            weight_decay=0.01,
+            logging_steps=max(1, cli.steps // 2),
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
         )
         trainer = Trainer(model=tiny_llama(), args=args, train_dataset=byte_dataset())
         result = trainer.train()

@@ -45,4 +45,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
 from . import integrations as integrations  # noqa: E402  registers the optimizer names with transformers (now, or when it is imported)

@@ -1,14 +1,14 @@
 """The plain-PyTorch API: prepare a model, build its optimizer, step, merge.
 
-    model = prepare_model(model, GaLoreConfig.preset("qgalore_adamw_8bit", rank=128))
-    optimizer = create_optimizer(model, model.galore_config, lr=1e-3, weight_decay=0.01)
-    for batch in data:
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        after_step(model, optimizer)   # runs a basis refresh when one is due
-        optimizer.zero_grad()
-    model = merge_and_unload(model)    # plain nn.Linear layers, merged weights
+model = prepare_model(model, GaLoreConfig.preset("qgalore_adamw_8bit", rank=128))
+optimizer = create_optimizer(model, model.galore_config, lr=1e-3, weight_decay=0.01)
+for batch in data:
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    after_step(model, optimizer)   # runs a basis refresh when one is due
+    optimizer.zero_grad()
+model = merge_and_unload(model)    # plain nn.Linear layers, merged weights
 """
 
 from __future__ import annotations
@@ -204,7 +204,8 @@ def _initialise_materialised_layers(model: nn.Module) -> None:
     if reset:
         logging.getLogger(__name__).info(
             "%d GaLore layer(s) prepared on the meta device got a new layer's GaLore state (factor, bases, "
-            "counters); their W0 is the weight loaded after to_empty()", len(reset),
+            "counters); their W0 is the weight loaded after to_empty()",
+            len(reset),
         )
 
 
@@ -322,7 +323,9 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]] = None
+) -> dict[str, torch.Tensor]:
     """The state dict the merged model would have (plain nn.Linear keys), without changing `model`."""
     state_dict = dict(model.state_dict() if state_dict is None else state_dict)
     for name, layer in iter_galore_layers_by_key(model):
@@ -360,11 +363,14 @@ def layer_state_mismatch(name: str, layer: GaLoreLinear, layer_state: dict[str, 
     own = layer.state_dict()
     shapes = [
         f"{key}: saved {tuple(layer_state[key].shape)}, this layer {tuple(own[key].shape)}"
-        for key in own if key in layer_state and layer_state[key].shape != own[key].shape
+        for key in own
+        if key in layer_state and layer_state[key].shape != own[key].shape
     ]
     missing = sorted(set(own) - set(layer_state))
     extra = sorted(set(layer_state) - set(own))
-    details = "; ".join(shapes[:3] + ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else []))
+    details = "; ".join(
+        shapes[:3] + ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else [])
+    )
     return (
         f"GaLore state of layer {name!r} does not fit the layer ({details or str(exc).splitlines()[0]}): it was "
         f"saved with other GaLore settings (rank, proj_type, weight_storage or basis_storage; this layer has "
@@ -417,8 +423,18 @@ GALORE_STATE_FORMAT = "hf_galore_plugin.galore_state.v2"
 # (scale), the layout of W0, of the bases and of the optimizer state, the set of layers. A resume
 # with another value would change the model or fail deep inside load_state_dict: refused.
 FIXED_FIELDS = (
-    "rank", "scale", "proj_type", "weight_storage", "weight_group_size", "basis_storage", "basis_group_size",
-    "state_bits", "state_block_size", "error_feedback", "target_modules", "exclude_modules",
+    "rank",
+    "scale",
+    "proj_type",
+    "weight_storage",
+    "weight_group_size",
+    "basis_storage",
+    "basis_group_size",
+    "state_bits",
+    "state_block_size",
+    "error_feedback",
+    "target_modules",
+    "exclude_modules",
 )
 # Fields that only steer what happens from now on (refresh schedule, learning-rate scale, how the next
 # basis is computed): a resume takes the new value and logs it.
@@ -434,17 +450,18 @@ def _normalized(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def compare_galore_config(
-    saved: dict[str, Any], current: GaLoreConfig, *, where: str
-) -> dict[str, tuple[Any, Any]]:
+def compare_galore_config(saved: dict[str, Any], current: GaLoreConfig, *, where: str) -> dict[str, tuple[Any, Any]]:
     """Check a saved config against the current one, field by field.
 
     A difference in a :data:`FIXED_FIELDS` field raises :class:`GaLoreCheckpointError` naming the field,
     both values and `where`; returns {field: (saved, current)} for the :data:`MUTABLE_FIELDS` that changed.
     """
     now = current.to_dict()
-    fixed = [(name, saved[name], now[name]) for name in FIXED_FIELDS
-             if name in saved and _normalized(saved[name]) != _normalized(now[name])]
+    fixed = [
+        (name, saved[name], now[name])
+        for name in FIXED_FIELDS
+        if name in saved and _normalized(saved[name]) != _normalized(now[name])
+    ]
     if fixed:
         listed = "; ".join(f"{name}: saved {old!r}, now {new!r}" for name, old, new in fixed)
         raise GaLoreCheckpointError(
@@ -452,8 +469,11 @@ def compare_galore_config(
             "the saved values (optim_args / GaLoreConfig), or start a new run from the merged model "
             "(from_pretrained of the checkpoint folder) to use the new ones."
         )
-    return {name: (saved[name], now[name]) for name in MUTABLE_FIELDS
-            if name in saved and _normalized(saved[name]) != _normalized(now[name])}
+    return {
+        name: (saved[name], now[name])
+        for name in MUTABLE_FIELDS
+        if name in saved and _normalized(saved[name]) != _normalized(now[name])
+    }
 
 
 def apply_mutable_changes(model: nn.Module, changed: dict[str, tuple[Any, Any]], *, where: str) -> None:
@@ -471,7 +491,8 @@ def apply_mutable_changes(model: nn.Module, changed: dict[str, tuple[Any, Any]],
             layer._update_refresh_due()
     logging.getLogger(__name__).warning(
         "%s: GaLore settings changed since the checkpoint and take effect from now on: %s",
-        where, "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()),
+        where,
+        "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()),
     )
 
 

@@ -149,8 +149,18 @@ class GaLoreConfig:
             return ValueError(f"GaLoreConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
 
         for name in (
-            "rank", "update_proj_gap", "lazy_window", "state_block_size", "lazy_growth", "oversampling",
-            "power_iterations", "state_bits", "seed", "max_proj_gap", "weight_group_size", "basis_group_size",
+            "rank",
+            "update_proj_gap",
+            "lazy_window",
+            "state_block_size",
+            "lazy_growth",
+            "oversampling",
+            "power_iterations",
+            "state_bits",
+            "seed",
+            "max_proj_gap",
+            "weight_group_size",
+            "basis_group_size",
         ):
             value = getattr(self, name)
             if value is None and name in _OPTIONAL_INTS:
@@ -190,7 +200,9 @@ class GaLoreConfig:
             if not self.refresh_budget_mb > 0:
                 raise bad("refresh_budget_mb", "use a positive number of MiB, or None for one layer's gradient")
             if self.refresh_schedule != "staggered":
-                raise bad("refresh_budget_mb", "it bounds the staggered schedule only: set refresh_schedule='staggered'")
+                raise bad(
+                    "refresh_budget_mb", "it bounds the staggered schedule only: set refresh_schedule='staggered'"
+                )
         if self.oversampling < 0:
             raise bad("oversampling", "use 0 or more extra columns (5-10 is typical)")
         if self.power_iterations < 0:

@@ -18,7 +18,15 @@ from .layers import GaLoreLinear, assign_refresh_phases
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TargetReport", "select_targets", "replace_targets", "unload", "iter_galore_layers", "swap_submodule", "plain_linear"]
+__all__ = [
+    "TargetReport",
+    "select_targets",
+    "replace_targets",
+    "unload",
+    "iter_galore_layers",
+    "swap_submodule",
+    "plain_linear",
+]
 
 # peft names its adapter sub-modules lora_A / lora_B / lora_embedding_* / lora_magnitude_vector ...
 _ADAPTER_NAME = re.compile(r"(^|\.)(lora_|ia3_|vera_|boft_|oft_)")

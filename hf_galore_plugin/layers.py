@@ -177,7 +177,9 @@ class GaLoreLinear(nn.Module):
         else:
             self.register_parameter("weight", None)
             self._weight_meta: Optional[dict[str, Any]] = None
-            self._store_quantized("weight_q", weight.detach(), config.weight_storage, config.effective_weight_group_size)
+            self._store_quantized(
+                "weight_q", weight.detach(), config.weight_storage, config.effective_weight_group_size
+            )
 
         self._basis_meta: dict[str, Optional[dict[str, Any]]] = {"left": None, "right": None}
         for side, rank, identity, dim in (
@@ -633,9 +635,7 @@ class GaLoreLinear(nn.Module):
                 identity = self.left_identity if side == "left" else self.right_identity
                 if rank is None or identity:
                     continue
-                generator = (
-                    self._next_generator(grad.device) if self.config.basis_method == "randomized" else None
-                )
+                generator = self._next_generator(grad.device) if self.config.basis_method == "randomized" else None
                 new_bases[side] = compute_basis(
                     grad,
                     side=side,
@@ -764,7 +764,11 @@ class GaLoreLinear(nn.Module):
         # buffers match what is being loaded so a resume restores them bit-exactly.
         for name in list(self._buffers):
             key = prefix + name
-            if key in state_dict and self._buffers[name] is not None and state_dict[key].shape != self._buffers[name].shape:
+            if (
+                key in state_dict
+                and self._buffers[name] is not None
+                and state_dict[key].shape != self._buffers[name].shape
+            ):
                 self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
         if prefix + "galore_step" in state_dict:

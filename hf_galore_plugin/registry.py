@@ -29,7 +29,9 @@ def list_optimizer_entry_points() -> dict[str, EntryPoint]:
         if ep.name in found and found[ep.name].value != ep.value:
             logger.warning(
                 "optimizer name %r is declared twice (%s and %s); using the first",
-                ep.name, found[ep.name].value, ep.value,
+                ep.name,
+                found[ep.name].value,
+                ep.value,
             )
             continue
         found.setdefault(ep.name, ep)
@@ -43,8 +45,7 @@ def load_optimizer_preset(name: str):
     eps = list_optimizer_entry_points()
     if name not in eps:
         raise KeyError(
-            f"unknown optimizer {name!r}; installed names are {sorted(eps)} "
-            f"(entry point group {ENTRY_POINT_GROUP!r})"
+            f"unknown optimizer {name!r}; installed names are {sorted(eps)} (entry point group {ENTRY_POINT_GROUP!r})"
         )
     ep = eps[name]
     dist = getattr(ep, "dist", None)

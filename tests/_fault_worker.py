@@ -58,8 +58,14 @@ KILL_POINTS = [
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
-        vocab_size=128, max_position_embeddings=32, tie_word_embeddings=False,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=128,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
 
@@ -71,10 +77,23 @@ def data() -> list[dict[str, torch.Tensor]]:
 
 def make_trainer(output_dir: str) -> Trainer:
     args = TrainingArguments(
-        output_dir=output_dir, optim="galore_adamw", optim_args="rank=4,update_proj_gap=2", max_steps=MAX_STEPS,
-        per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, logging_steps=1,
-        save_strategy="steps", save_steps=SAVE_STEPS, save_total_limit=1, report_to=[], use_cpu=True, seed=0,
-        data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=output_dir,
+        optim="galore_adamw",
+        optim_args="rank=4,update_proj_gap=2",
+        max_steps=MAX_STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+        save_total_limit=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     return Trainer(model=tiny_llama(), args=args, train_dataset=data())
 
@@ -132,12 +151,15 @@ def install_kill(what: str, step: int) -> None:
 
         def rotate_checkpoints(*args, **kwargs):
             # the Trainer's own call inside _save_checkpoint runs with the limit held back (None)
-            if kwargs.get("save_total_limit") and os.path.isdir(os.path.join(kwargs.get("output_dir", args[0] if args else ""), tag)):
+            if kwargs.get("save_total_limit") and os.path.isdir(
+                os.path.join(kwargs.get("output_dir", args[0] if args else ""), tag)
+            ):
                 _die()
             return original_rotate(*args, **kwargs)
 
         trainer_module.rotate_checkpoints = rotate_checkpoints
     elif what == "rmtree":
+
         def rmtree(path, *args, **kwargs):
             files = sorted(os.listdir(path))
             for name in files[: len(files) // 2]:
@@ -205,8 +227,13 @@ def main(workdir: str) -> None:
         def resumed(output_dir=output_dir, result_file=result_file) -> int:
             trainer = make_trainer(output_dir)
             steps = []
-            trainer.add_callback(type("Count", (transformers.TrainerCallback,), {
-                "on_step_end": lambda self, args, state, control, **kw: steps.append(state.global_step)})())
+            trainer.add_callback(
+                type(
+                    "Count",
+                    (transformers.TrainerCallback,),
+                    {"on_step_end": lambda self, args, state, control, **kw: steps.append(state.global_step)},
+                )()
+            )
             try:
                 trainer.train(resume_from_checkpoint=True)
             except Exception as exc:  # noqa: BLE001
@@ -216,10 +243,15 @@ def main(workdir: str) -> None:
             return 0
 
         killed_status = child(killed)
-        held = sorted(
-            f"{entry}{'' if os.path.isfile(os.path.join(output_dir, entry, 'galore_state.pt')) else ' (incomplete)'}"
-            for entry in os.listdir(output_dir) if entry.startswith("checkpoint-")
-        ) if os.path.isdir(output_dir) else []
+        held = (
+            sorted(
+                f"{entry}{'' if os.path.isfile(os.path.join(output_dir, entry, 'galore_state.pt')) else ' (incomplete)'}"
+                for entry in os.listdir(output_dir)
+                if entry.startswith("checkpoint-")
+            )
+            if os.path.isdir(output_dir)
+            else []
+        )
         resume_status = child(resumed)
         row = {"point": name, "killed": killed_status == -signal.SIGKILL, "held": held}
         if resume_status != 0 or not os.path.isfile(result_file):

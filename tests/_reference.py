@@ -42,7 +42,10 @@ class DenseGaLore:
         return self.bases[side]
 
     def project(self, g):
-        p, q = (self._basis("left") if "left" in self.ranks else None), (self._basis("right") if "right" in self.ranks else None)
+        p, q = (
+            (self._basis("left") if "left" in self.ranks else None),
+            (self._basis("right") if "right" in self.ranks else None),
+        )
         if p is not None:
             g = p.T @ g
         if q is not None:
@@ -50,7 +53,10 @@ class DenseGaLore:
         return g
 
     def project_back(self, r):
-        p, q = (self._basis("left") if "left" in self.ranks else None), (self._basis("right") if "right" in self.ranks else None)
+        p, q = (
+            (self._basis("left") if "left" in self.ranks else None),
+            (self._basis("right") if "right" in self.ranks else None),
+        )
         if q is not None:
             r = r @ q.T
         if p is not None:

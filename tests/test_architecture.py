@@ -32,14 +32,37 @@ ALLOWED: dict[str, set[str]] = {
     "registry": {"config"},
     "api": {"utils", "config", "projection", "quant", "engines", "layers", "inject", "optim"},
     "integrations": {
-        "utils", "config", "codes", "projection", "kernels", "quant", "engines", "layers", "inject", "optim",
-        "presets", "registry", "api",
+        "utils",
+        "config",
+        "codes",
+        "projection",
+        "kernels",
+        "quant",
+        "engines",
+        "layers",
+        "inject",
+        "optim",
+        "presets",
+        "registry",
+        "api",
     },
     # The memory planner is a tool on top of everything: it traces real transformers models through the
     # public API and parses --optim-args exactly as the Trainer integration does.
     "plan": {
-        "utils", "config", "codes", "projection", "kernels", "quant", "engines", "layers", "inject", "optim",
-        "presets", "registry", "api", "integrations",
+        "utils",
+        "config",
+        "codes",
+        "projection",
+        "kernels",
+        "quant",
+        "engines",
+        "layers",
+        "inject",
+        "optim",
+        "presets",
+        "registry",
+        "api",
+        "integrations",
     },
     "__main__": {"integrations", "config", "registry", "presets"},
 }
@@ -189,7 +212,11 @@ def test_the_graph_reader_sees_lazy_and_relative_imports():
     # The checks above are only as good as this reader: it must see an import inside a function body
     # (layers -> quant) and resolve `from ..x import y` and `from . import x`.
     assert ("layers", "quant", ["quantize"]) in EDGES
-    assert ("quant.functional", "codes", ["code_dtype", "code_levels", "grid_table", "nibble_offset", "packed_numel"]) in EDGES
+    assert (
+        "quant.functional",
+        "codes",
+        ["code_dtype", "code_levels", "grid_table", "nibble_offset", "packed_numel"],
+    ) in EDGES
     assert ("", "quant", []) in EDGES
 
 

@@ -44,7 +44,8 @@ def test_quality_quick_trains_every_method(tmp_path):
     # process (the benchmark needs transformers' own galore) and leak it into every later test.
     tree = ast.parse((REPO / "benchmarks" / "quality.py").read_text())
     methods = next(
-        ast.literal_eval(node.value) for node in tree.body
+        ast.literal_eval(node.value)
+        for node in tree.body
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "METHODS"
     )
     assert [r["method"] for r in summary["runs"]] == list(methods)
@@ -114,7 +115,9 @@ def test_distributed_quick_counts_less_traffic_and_sketch_refreshes(tmp_path):
         assert galore["live_tensor_bytes"] < dense["live_tensor_bytes"], engine
     sketch, exact = by["ddp", "galore_adamw", "randomized"], by["ddp", "galore_adamw", "svd"]
     assert 0 < sketch["refresh_bytes_total"] < exact["refresh_bytes_total"] / 2
-    assert (tmp_path / "distributed.png").stat().st_size > 0 and "| ddp | galore_adamw |" in (tmp_path / "distributed.md").read_text()
+    assert (tmp_path / "distributed.png").stat().st_size > 0 and "| ddp | galore_adamw |" in (
+        tmp_path / "distributed.md"
+    ).read_text()
 
 
 def test_optimizer_speed_quick_measures_every_state_format(tmp_path):

@@ -34,8 +34,14 @@ def _torch_twins(monkeypatch):
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
-        vocab_size=128, max_position_embeddings=32, tie_word_embeddings=False,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=128,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
 
@@ -47,9 +53,21 @@ def token_data(n: int = 32, seed: int = 1) -> list[dict[str, torch.Tensor]]:
 
 def make_trainer(output_dir, *, optim_args=ARGS, seed=0, data_seed=1, **overrides) -> Trainer:
     kwargs = dict(
-        output_dir=str(output_dir), optim="galore_adamw", optim_args=optim_args, max_steps=4,
-        per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=2,
-        report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(output_dir),
+        optim="galore_adamw",
+        optim_args=optim_args,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     kwargs.update(overrides)
     return Trainer(model=tiny_llama(seed), args=TrainingArguments(**kwargs), train_dataset=token_data(seed=data_seed))
@@ -98,7 +116,9 @@ def test_galore_state_left_by_another_run_is_refused(run_dir, tmp_path):
     folder = str(other / "checkpoint-4")
     shutil.copy(run_dir / "checkpoint-4" / GALORE_STATE_NAME, os.path.join(folder, GALORE_STATE_NAME))
     trainer = make_trainer(tmp_path / "resumed", max_steps=6)
-    with pytest.raises(GaLoreCheckpointError, match=r"does not belong to checkpoint .*other/checkpoint-4.*merged weight"):
+    with pytest.raises(
+        GaLoreCheckpointError, match=r"does not belong to checkpoint .*other/checkpoint-4.*merged weight"
+    ):
         trainer.train(resume_from_checkpoint=folder)
     assert trainer.state.global_step == 0
 
@@ -153,8 +173,11 @@ def test_changed_update_proj_gap_takes_effect_and_is_logged(run_dir, tmp_path, c
 def test_plain_api_rank_mismatch_names_the_layer_and_the_setting():
     model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
     other = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=8))
-    with pytest.raises(RuntimeError, match=r"GaLore state of layer 'model.layers.0.self_attn.q_proj' does not fit .*"
-                                           r"galore_factor: saved \(32, 8\), this layer \(32, 4\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"GaLore state of layer 'model.layers.0.self_attn.q_proj' does not fit .*"
+        r"galore_factor: saved \(32, 8\), this layer \(32, 4\)",
+    ):
         hgp.load_galore_state_dict(model, hgp.galore_state_dict(other))
 
 
@@ -185,8 +208,13 @@ def test_resume_true_skips_an_incomplete_newest_checkpoint(run_dir, tmp_path, ca
     os.remove(copy_checkpoint(run_dir, 4, out) + "/" + GALORE_STATE_NAME)
     trainer = make_trainer(out, max_steps=4, save_strategy="no")
     steps = []
-    trainer.add_callback(type("Steps", (transformers.TrainerCallback,), {
-        "on_step_end": lambda self, args, state, control, **kw: steps.append(state.global_step)})())
+    trainer.add_callback(
+        type(
+            "Steps",
+            (transformers.TrainerCallback,),
+            {"on_step_end": lambda self, args, state, control, **kw: steps.append(state.global_step)},
+        )()
+    )
     with caplog.at_level(logging.WARNING):
         trainer.train(resume_from_checkpoint=True)
     assert steps == [3, 4]  # resumed from checkpoint-2
@@ -203,7 +231,9 @@ def test_explicit_incomplete_checkpoint_is_refused_naming_the_complete_one(run_d
     incomplete = copy_checkpoint(run_dir, 4, out)
     os.remove(os.path.join(incomplete, GALORE_STATE_NAME))
     trainer = make_trainer(out, max_steps=6)
-    with pytest.raises(ValueError, match=rf"{incomplete} is incomplete: it has no {GALORE_STATE_NAME}.*resume from {complete}"):
+    with pytest.raises(
+        ValueError, match=rf"{incomplete} is incomplete: it has no {GALORE_STATE_NAME}.*resume from {complete}"
+    ):
         trainer.train(resume_from_checkpoint=incomplete)
 
 
@@ -230,12 +260,26 @@ def _peft_trainer(output_dir, **overrides):
         tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["down_proj"])
     )
     kwargs = dict(
-        output_dir=str(output_dir), optim="galore_adamw", optim_args=ARGS, max_steps=4, per_device_train_batch_size=4,
-        learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=0,
-        data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(output_dir),
+        optim="galore_adamw",
+        optim_args=ARGS,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     kwargs.update(overrides)
-    return Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=token_data(), eval_dataset=token_data(8))
+    return Trainer(
+        model=model, args=TrainingArguments(**kwargs), train_dataset=token_data(), eval_dataset=token_data(8)
+    )
 
 
 def test_peft_modules_to_save_resume_is_exact(tmp_path):
@@ -250,8 +294,14 @@ def test_peft_modules_to_save_resume_is_exact(tmp_path):
 
 
 def test_peft_load_best_model_at_end_restores_the_best_checkpoint_exactly(tmp_path):
-    trainer = _peft_trainer(tmp_path, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
-                            metric_for_best_model="loss", greater_is_better=True)  # the worse one: not the last
+    trainer = _peft_trainer(
+        tmp_path,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+    )  # the worse one: not the last
     trainer.train()
     best = trainer.state.best_model_checkpoint
     assert best.endswith("checkpoint-2")

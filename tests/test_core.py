@@ -208,7 +208,9 @@ def _fake_two_rank_run(monkeypatch, config, n_in, n_out, fake_world: bool):
         # the layer decides sketches vs gradient with its world size; all_reduce_mean divides by it
         monkeypatch.setattr(layers_module, "_world_size", lambda: 2)
         monkeypatch.setattr(collectives, "world_size", lambda: 2)
-        monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: sent.append(tuple(t.shape)) or t.mul_(2))
+        monkeypatch.setattr(
+            torch.distributed, "all_reduce", lambda t, *a, **k: sent.append(tuple(t.shape)) or t.mul_(2)
+        )
     _train(model, optimizer, _batches(n_in, n_out, 5))
     monkeypatch.undo()
     return model[0], sent
@@ -241,7 +243,9 @@ def test_randomized_refresh_reduces_the_gradient_when_sketches_would_be_larger(m
 
 
 def test_lazy_refresh_grows_gap_when_subspace_is_stable():
-    config = GaLoreConfig(rank=2, update_proj_gap=1, lazy_refresh=True, lazy_window=2, cos_threshold=0.4, max_proj_gap=4)
+    config = GaLoreConfig(
+        rank=2, update_proj_gap=1, lazy_refresh=True, lazy_window=2, cos_threshold=0.4, max_proj_gap=4
+    )
     model = prepare_model(_single_linear(16, 24), config)
     optimizer = create_optimizer(model, lr=1e-3)
     # the same batch every step: the gradient's top subspace barely moves, similarity ~1
@@ -403,8 +407,14 @@ def test_peft_modules_to_save_head_is_not_targeted(tiny_llama):
     import peft
 
     base = tiny_llama(
-        seed=None, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=16,
+        seed=None,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
     )
     model = peft.get_peft_model(
         base,

@@ -12,12 +12,19 @@ import torch
 from distributed._launch import assert_matches, int8_folds, run_two_ranks, single_process_run
 
 import deepspeed  # noqa: E402,F401  (the [deepspeed] extra, which the dev extra installs)
+
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize(
     "stage, preset",
-    [(1, "galore_adamw"), (2, "galore_adamw"), (2, "qgalore_adamw_8bit"), (3, "galore_adamw"), (3, "qgalore_adamw_8bit")],
+    [
+        (1, "galore_adamw"),
+        (2, "galore_adamw"),
+        (2, "qgalore_adamw_8bit"),
+        (3, "galore_adamw"),
+        (3, "qgalore_adamw_8bit"),
+    ],
 )
 def test_zero_two_ranks_match_single_process(tmp_path, stage, preset):
     out = tmp_path / f"zero{stage}.pt"

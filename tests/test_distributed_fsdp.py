@@ -54,7 +54,10 @@ def test_fsdp1_two_ranks_match_single_process(tmp_path, preset, proj_type):
     "env, message",
     [
         # INT8 W0 is a buffer, so FSDP1 itself accepts the unit without use_orig_params; we refuse it
-        ({"USE_ORIG_PARAMS": "0", "PRESET": "qgalore_adamw_8bit"}, "needs FullyShardedDataParallel(use_orig_params=True)"),
+        (
+            {"USE_ORIG_PARAMS": "0", "PRESET": "qgalore_adamw_8bit"},
+            "needs FullyShardedDataParallel(use_orig_params=True)",
+        ),
         # a frozen W0 next to a trainable factor: FSDP1 refuses the unit itself
         ({"USE_ORIG_PARAMS": "0", "PRESET": "galore_adamw"}, "when use_orig_params=False"),
         ({"MOMENT_HANDLING": "project"}, "FSDP1 keeps them as 1-D slices of a flat shard"),

@@ -25,6 +25,7 @@ from conftest import build_tiny_llama
 from distributed._launch import assert_weights_match, run_one_process, run_two_ranks
 
 import transformers  # noqa: E402,F401
+
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).parent / "distributed" / "trainer_galore.py"
@@ -47,8 +48,9 @@ def single_process(pretrained, tmp_path_factory):
     def run(preset: str, extra: str) -> dict:
         if (preset, extra) not in cache:
             out = tmp_path_factory.mktemp("single") / "single.pt"
-            result = run_one_process(out, str(pretrained), script=WORKER, ENGINE="single", PRESET=preset,
-                                     EXTRA_OPTIM_ARGS=extra)
+            result = run_one_process(
+                out, str(pretrained), script=WORKER, ENGINE="single", PRESET=preset, EXTRA_OPTIM_ARGS=extra
+            )
             assert result.returncode == 0, result.stderr[-4000:]
             cache[preset, extra] = torch.load(out, weights_only=True)
         return cache[preset, extra]
@@ -58,8 +60,9 @@ def single_process(pretrained, tmp_path_factory):
 
 def _run_engine(tmp_path, pretrained, engine: str, preset: str, extra: str = "", **env) -> dict:
     out = tmp_path / f"{engine}.pt"
-    result = run_two_ranks(out, str(pretrained), script=WORKER, ENGINE=engine, PRESET=preset,
-                           EXTRA_OPTIM_ARGS=extra, **env)
+    result = run_two_ranks(
+        out, str(pretrained), script=WORKER, ENGINE=engine, PRESET=preset, EXTRA_OPTIM_ARGS=extra, **env
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out, weights_only=True)
 
@@ -109,8 +112,10 @@ def test_trainer_two_ranks_match_single_process_and_resume_exactly(
     steps = sorted(single["losses"])
     assert sorted(run["losses"]) == steps
     torch.testing.assert_close(
-        torch.tensor([run["losses"][s] for s in steps]), torch.tensor([single["losses"][s] for s in steps]),
-        rtol=1e-4, atol=0,
+        torch.tensor([run["losses"][s] for s in steps]),
+        torch.tensor([single["losses"][s] for s in steps]),
+        rtol=1e-4,
+        atol=0,
     )
     # Measured: GaLore layers within 4e-7 absolute; the largest deviations, 6e-6 absolute (values ~4e-3),
     # are in the dense AdamW rows of lm_head/embed_tokens whose gradients are nearly zero, where Adam's
@@ -157,8 +162,10 @@ def test_qgalore_8bit_state_under_zero2_and_ddp(tmp_path, pretrained, single_pro
     assert run["refresh_steps"] == single["refresh_steps"] == REFRESH_STEPS
     steps = sorted(single["losses"])
     torch.testing.assert_close(
-        torch.tensor([run["losses"][s] for s in steps]), torch.tensor([single["losses"][s] for s in steps]),
-        rtol=5e-3, atol=0,
+        torch.tensor([run["losses"][s] for s in steps]),
+        torch.tensor([single["losses"][s] for s in steps]),
+        rtol=5e-3,
+        atol=0,
     )
     _assert_merged_plain_model(run, single, pretrained)
     _assert_resumed_exactly(run)

@@ -24,8 +24,12 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fault_worker
 @pytest.mark.slow
 def test_sigkill_anywhere_resumes_exactly_or_is_refused(tmp_path):
     repo = os.path.dirname(os.path.dirname(WORKER))
-    env = {**os.environ, "HF_GALORE_DISABLE_TRITON": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "HF_GALORE_DISABLE_TRITON": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run(
         [sys.executable, WORKER, str(tmp_path)], capture_output=True, text=True, timeout=600, env=env
     )

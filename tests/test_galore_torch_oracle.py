@@ -40,11 +40,17 @@ def test_galore_adamw_tracks_galore_torch_within_2_percent(tiny_llama):
     rank, gap, scale, lr = 16, 50, 0.25, 1e-2
 
     theirs_model = tiny_llama(vocab_size=96, intermediate_size=176)
-    targets = [m.weight for n, m in theirs_model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
+    targets = [
+        m.weight for n, m in theirs_model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n
+    ]
     others = [p for p in theirs_model.parameters() if all(p is not t for t in targets)]
     theirs_opt = galore_torch.GaLoreAdamW(
-        [{"params": others}, {"params": targets, "rank": rank, "update_proj_gap": gap, "scale": scale, "proj_type": "std"}],
-        lr=lr, weight_decay=0.0,
+        [
+            {"params": others},
+            {"params": targets, "rank": rank, "update_proj_gap": gap, "scale": scale, "proj_type": "std"},
+        ],
+        lr=lr,
+        weight_decay=0.0,
     )
 
     def their_step(ids):
@@ -54,7 +60,10 @@ def test_galore_adamw_tracks_galore_torch_within_2_percent(tiny_llama):
         theirs_opt.zero_grad()
         return loss.item()
 
-    ours_model = prepare_model(tiny_llama(vocab_size=96, intermediate_size=176), GaLoreConfig.preset("galore_adamw", rank=rank, update_proj_gap=gap, scale=scale))
+    ours_model = prepare_model(
+        tiny_llama(vocab_size=96, intermediate_size=176),
+        GaLoreConfig.preset("galore_adamw", rank=rank, update_proj_gap=gap, scale=scale),
+    )
     assert len(galore_layers(ours_model)) == len(targets) == 14
     ours_opt = create_optimizer(ours_model, lr=lr, weight_decay=0.0)
 

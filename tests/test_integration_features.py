@@ -51,7 +51,8 @@ def fp32_run(tmp_path_factory):
         patch.setenv("HF_GALORE_DISABLE_TRITON", "1")
         model = tiny_llama()
         trainer = Trainer(
-            model=model, args=training_args(tmp_path_factory.mktemp("fp32"), max_steps=STEPS),
+            model=model,
+            args=training_args(tmp_path_factory.mktemp("fp32"), max_steps=STEPS),
             train_dataset=token_data(),
         )
         trainer.train()
@@ -63,8 +64,11 @@ def run(tmp_path, model=None, callbacks=(), eval_dataset=None, **overrides) -> T
     model = model if model is not None else tiny_llama()
     overrides.setdefault("max_steps", STEPS)
     trainer = Trainer(
-        model=model, args=training_args(tmp_path, **overrides), train_dataset=token_data(),
-        eval_dataset=eval_dataset, callbacks=list(callbacks),
+        model=model,
+        args=training_args(tmp_path, **overrides),
+        train_dataset=token_data(),
+        eval_dataset=eval_dataset,
+        callbacks=list(callbacks),
     )
     trainer.train()
     return trainer
@@ -215,8 +219,17 @@ def test_eval_during_training_and_load_best_model_restores_galore_state(tmp_path
     picker = _PickBestAndRecord(best_step=2)
     model = tiny_llama()
     trainer = run(
-        tmp_path, model=model, callbacks=[picker], eval_dataset=token_data(8), max_steps=6, eval_strategy="steps", eval_steps=2,
-        save_strategy="steps", save_steps=2, load_best_model_at_end=True, metric_for_best_model="pick",
+        tmp_path,
+        model=model,
+        callbacks=[picker],
+        eval_dataset=token_data(8),
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="pick",
         greater_is_better=False,
     )
     evaluated = [entry["step"] for entry in trainer.state.log_history if "eval_loss" in entry]
@@ -256,7 +269,11 @@ def test_gradient_clipping_and_cosine_schedule_with_warmup(tmp_path):
     recorder = _RecordStep()
     max_norm = 0.05
     trainer = run(
-        tmp_path, callbacks=[recorder], max_steps=6, max_grad_norm=max_norm, lr_scheduler_type="cosine",
+        tmp_path,
+        callbacks=[recorder],
+        max_steps=6,
+        max_grad_norm=max_norm,
+        lr_scheduler_type="cosine",
         warmup_steps=2,
     )
     logged_norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
@@ -309,17 +326,16 @@ def test_fp16_model_refresh_computes_the_basis_in_fp32(tmp_path, monkeypatch):
         stored = layer.basis("right") if layer.right_rank is not None else layer.basis("left")
         assert stored.dtype == torch.float16
         # stored in fp16: orthonormal to fp16 rounding (2^-11 relative per entry, summed over 64)
-        torch.testing.assert_close(
-            stored.float().mT @ stored.float(), torch.eye(stored.shape[1]), rtol=0, atol=2e-3
-        )
+        torch.testing.assert_close(stored.float().mT @ stored.float(), torch.eye(stored.shape[1]), rtol=0, atol=2e-3)
 
 
 # ---------------------------------------------------------------------- DeepSpeed optimizer block
 @pytest.fixture
 def deepspeed_single_process(monkeypatch):
     pytest.importorskip("deepspeed")
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1",
-                           LOCAL_RANK="0").items():
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    ).items():
         monkeypatch.setenv(key, value)
     # the gloo shm-comm op would be compiled with g++ on first init (~50 s); nothing here needs it
     monkeypatch.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
@@ -336,8 +352,10 @@ def deepspeed_single_process(monkeypatch):
 
 
 DEEPSPEED_CONFIG = {
-    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-    "zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "zero_optimization": {"stage": 2},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
 }
 
 
@@ -366,7 +384,9 @@ def test_qlora_4bit_base_is_left_alone(tmp_path):
     tiny_llama().save_pretrained(str(tmp_path / "base"))
     # QLoRA: a frozen NF4 base (bitsandbytes' CPU backend), down_proj and lm_head kept in fp32
     quantization = transformers.BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
         llm_int8_skip_modules=["down_proj", "lm_head"],
     )
     base = transformers.AutoModelForCausalLM.from_pretrained(
@@ -378,7 +398,8 @@ def test_qlora_4bit_base_is_left_alone(tmp_path):
     )
     quantized = {
         name: (module.weight.detach().clone(), module.weight.quant_state.absmax.clone())
-        for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)
+        for name, module in model.named_modules()
+        if isinstance(module, bnb.nn.Linear4bit)
     }
     assert len(quantized) == 2 * 6  # q, k, v, o, gate, up in each of the 2 layers
     layer = base.model.layers[0]

@@ -108,8 +108,18 @@ def test_pickled_member_loads_in_a_fresh_process_that_never_imported_the_plugin(
 def test_hf_argument_parser_choices_help_and_parse(capsys):
     parser = HfArgumentParser(TrainingArguments)
     (args,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", "x", "--optim", "qgalore_adamw_8bit", "--optim_args", "rank=16,update_proj_gap=50",
-         "--report_to", "none", "--use_cpu", "true"]
+        [
+            "--output_dir",
+            "x",
+            "--optim",
+            "qgalore_adamw_8bit",
+            "--optim_args",
+            "rank=16,update_proj_gap=50",
+            "--report_to",
+            "none",
+            "--use_cpu",
+            "true",
+        ]
     )
     assert args.optim is OptimizerNames.QGALORE_ADAMW_8BIT and args.optim_args == "rank=16,update_proj_gap=50"
     with pytest.raises(SystemExit):
@@ -130,7 +140,9 @@ def test_training_arguments_subclass_accepts_the_names(tmp_path):
         ["--output_dir", str(tmp_path), "--optim", "galore_adamw_8bit", "--max_length", "64", "--report_to", "none"]
     )
     assert config.optim is OptimizerNames.GALORE_ADAMW_8BIT and config.max_length == 64
-    assert SFTLikeConfig(output_dir=str(tmp_path), optim="qgalore_adamw_8bit").to_dict()["optim"] == "qgalore_adamw_8bit"
+    assert (
+        SFTLikeConfig(output_dir=str(tmp_path), optim="qgalore_adamw_8bit").to_dict()["optim"] == "qgalore_adamw_8bit"
+    )
 
 
 # ---------------------------------------------------------------------- import behaviour (fresh processes)
@@ -188,8 +200,14 @@ class _TinyMLP(nn.Module):
 
 def test_get_optimizer_cls_and_kwargs_serves_plugin_names_and_passes_others_through(tmp_path):
     args = _args(
-        tmp_path, optim="galore_adamw_8bit", optim_args="rank=8", learning_rate=3e-4,
-        adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.1,
+        tmp_path,
+        optim="galore_adamw_8bit",
+        optim_args="rank=8",
+        learning_rate=3e-4,
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_epsilon=1e-6,
+        weight_decay=0.1,
     )
     model = _TinyMLP()
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
@@ -229,8 +247,15 @@ def test_optim_args_transformers_keys_and_ours_are_typed():
         "state_bits=8,exclude_modules=lm_head+gate_proj,lr_scale=0.9"
     )
     assert overrides == {
-        "rank": 64, "update_proj_gap": 100, "scale": 0.5, "proj_type": "reverse_std", "lazy_refresh": True,
-        "max_proj_gap": None, "state_bits": 8, "exclude_modules": ["lm_head", "gate_proj"], "lr_scale": 0.9,
+        "rank": 64,
+        "update_proj_gap": 100,
+        "scale": 0.5,
+        "proj_type": "reverse_std",
+        "lazy_refresh": True,
+        "max_proj_gap": None,
+        "state_bits": 8,
+        "exclude_modules": ["lm_head", "gate_proj"],
+        "lr_scale": 0.9,
     }
     assert parse_optim_args(None) == {} and parse_optim_args("") == {}
     # every config field is a key
@@ -253,7 +278,9 @@ def test_optim_args_transformers_keys_and_ours_are_typed():
 def test_bad_optim_args_fail_with_key_value_and_accepted(optim_args, pattern):
     with pytest.raises(ValueError, match=pattern):
         config_from_training_args(
-            GaLoreConfig.preset("galore_adamw"), optim_args=optim_args, optim_target_modules=None,
+            GaLoreConfig.preset("galore_adamw"),
+            optim_args=optim_args,
+            optim_target_modules=None,
             optimizer_name="galore_adamw",
         )
 

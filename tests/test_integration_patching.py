@@ -54,10 +54,14 @@ def test_the_target_list_covers_every_patched_trainer_attribute():
     # the Trainer of this process is patched (the plugin was imported): every marked attribute of it
     # and of the trainer module must be a target, or the all-or-nothing check misses it
     names = {target.name for target in integration.trainer_patch_targets(trainer_module)}
-    marked = {f"transformers.Trainer.{name}" for name, value in vars(trainer_module.Trainer).items()
-              if integration._is_marked(value)}
-    marked |= {f"transformers.trainer.{name}" for name, value in vars(trainer_module).items()
-               if integration._is_marked(value)}
+    marked = {
+        f"transformers.Trainer.{name}"
+        for name, value in vars(trainer_module.Trainer).items()
+        if integration._is_marked(value)
+    }
+    marked |= {
+        f"transformers.trainer.{name}" for name, value in vars(trainer_module).items() if integration._is_marked(value)
+    }
     assert marked and marked <= names, marked - names
     assert "transformers.Trainer._load_optimizer_and_scheduler" in names
 
@@ -118,7 +122,9 @@ def test_with_a_handler_table_only_its_entries_are_added():
     assert {key for key, value in table.items() if integration._is_marked(value)} == set(served)
 
 
-@pytest.mark.parametrize("version, supported", [("5.24.0", True), ("4.57.6", True), ("4.56.2", False), ("5.25.0", False)])
+@pytest.mark.parametrize(
+    "version, supported", [("5.24.0", True), ("4.57.6", True), ("4.56.2", False), ("5.25.0", False)]
+)
 def test_version_outside_the_supported_range_warns_once(monkeypatch, version, supported):
     monkeypatch.setattr(integration, "_installed_transformers", lambda: version)
     monkeypatch.setattr(integration, "_version_checked", False)

@@ -21,7 +21,11 @@ PARSE_SCRIPT = """
 
 def _run(argv, cwd, timeout=180):
     result = subprocess.run(
-        [sys.executable, "-m", "hf_galore_plugin", *argv], capture_output=True, text=True, cwd=cwd, env=ENV,
+        [sys.executable, "-m", "hf_galore_plugin", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=ENV,
         timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -50,9 +54,25 @@ def test_runner_without_target_prints_usage(tmp_path):
 
 def test_example_run_clm_cli_trains_with_qgalore(tmp_path):
     out = _run(
-        [os.path.join(ROOT, "examples", "run_clm_cli.py"), "--output_dir", str(tmp_path), "--optim",
-         "qgalore_adamw_8bit", "--optim_args", "rank=8,update_proj_gap=2", "--max_steps", "4", "--use_cpu", "true",
-         "--report_to", "none", "--per_device_train_batch_size", "4", "--save_strategy", "no"],
+        [
+            os.path.join(ROOT, "examples", "run_clm_cli.py"),
+            "--output_dir",
+            str(tmp_path),
+            "--optim",
+            "qgalore_adamw_8bit",
+            "--optim_args",
+            "rank=8,update_proj_gap=2",
+            "--max_steps",
+            "4",
+            "--use_cpu",
+            "true",
+            "--report_to",
+            "none",
+            "--per_device_train_batch_size",
+            "4",
+            "--save_strategy",
+            "no",
+        ],
         tmp_path,
     )
     assert "optim=qgalore_adamw_8bit" in out and "layers=GaLoreLinear" in out
@@ -61,8 +81,18 @@ def test_example_run_clm_cli_trains_with_qgalore(tmp_path):
 
 def test_example_train_trainer_runs_every_preset(tmp_path):
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "train_trainer.py"), "--steps", "3", "--output_dir",
-         str(tmp_path)], capture_output=True, text=True, env=ENV, timeout=240,
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "train_trainer.py"),
+            "--steps",
+            "3",
+            "--output_dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for preset in ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"):

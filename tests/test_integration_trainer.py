@@ -35,8 +35,14 @@ def _torch_twins(monkeypatch):
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
-        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
 
@@ -48,9 +54,20 @@ def token_data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]]:
 
 def training_args(tmp_path, **overrides) -> TrainingArguments:
     kwargs = dict(
-        output_dir=str(tmp_path), optim="galore_adamw", optim_args=RANK_ARGS, max_steps=4,
-        per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        optim="galore_adamw",
+        optim_args=RANK_ARGS,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
@@ -64,7 +81,12 @@ def losses(trainer: Trainer) -> dict[int, float]:
 def test_trainer_replaces_layers_and_builds_optimizer_from_training_args(tmp_path):
     model = tiny_llama()
     args = training_args(
-        tmp_path, optim="qgalore_adamw_8bit", adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7, weight_decay=0.05,
+        tmp_path,
+        optim="qgalore_adamw_8bit",
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_epsilon=1e-7,
+        weight_decay=0.05,
         max_steps=3,
     )
     trainer = Trainer(model=model, args=args, train_dataset=token_data())
@@ -112,7 +134,9 @@ class _RecordLR(TrainerCallback):
 def test_lr_scale_with_linear_schedule(tmp_path, recovery, multipliers):
     recorder = _RecordLR()
     args = training_args(
-        tmp_path, optim_args=f"{RANK_ARGS},lr_recovery_fraction={recovery}", lr_scheduler_type="linear",
+        tmp_path,
+        optim_args=f"{RANK_ARGS},lr_recovery_fraction={recovery}",
+        lr_scheduler_type="linear",
         warmup_steps=1,
     )
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_data(), callbacks=[recorder])
@@ -133,7 +157,9 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     for accumulation, batch in ((1, 4), (2, 2)):
         model = tiny_llama()
         args = training_args(
-            tmp_path / str(accumulation), gradient_accumulation_steps=accumulation, per_device_train_batch_size=batch,
+            tmp_path / str(accumulation),
+            gradient_accumulation_steps=accumulation,
+            per_device_train_batch_size=batch,
             max_steps=7,
         )
         Trainer(model=model, args=args, train_dataset=token_data()).train()
@@ -216,7 +242,11 @@ def test_save_model_is_merged_and_loads_without_the_plugin(tmp_path):
         print("ok")
     """
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""},
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

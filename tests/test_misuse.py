@@ -25,8 +25,16 @@ def _torch_twins(monkeypatch):
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    kwargs = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                  intermediate_size=64, vocab_size=128, max_position_embeddings=32, tie_word_embeddings=False)
+    kwargs = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=128,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     kwargs.update(overrides)
     return LlamaForCausalLM(LlamaConfig(**kwargs))
 
@@ -37,8 +45,17 @@ def token_data(n: int = 16) -> list[dict[str, torch.Tensor]]:
 
 
 def args(tmp_path, **overrides) -> TrainingArguments:
-    kwargs = dict(output_dir=str(tmp_path), optim="adamw_torch", max_steps=3, per_device_train_batch_size=4,
-                  learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        optim="adamw_torch",
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
 
@@ -91,7 +108,9 @@ def test_trainer_with_own_optimizer_gets_the_callback_and_trains(tmp_path):
 
 def test_trainer_building_a_foreign_optimizer_for_a_galore_model_is_refused(tmp_path):
     model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
-    with pytest.raises(ValueError, match=r"optim='adamw_torch' builds an optimizer that cannot train them.*galore_adamw"):
+    with pytest.raises(
+        ValueError, match=r"optim='adamw_torch' builds an optimizer that cannot train them.*galore_adamw"
+    ):
         Trainer(model=model, args=args(tmp_path), train_dataset=token_data())
 
 
@@ -180,8 +199,11 @@ def test_non_finite_float_fields_are_refused(field, value):
 
 def test_scale_inf_through_optim_args_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"scale=inf is invalid: use a finite number"):
-        Trainer(model=tiny_llama(), args=args(tmp_path, optim="galore_adamw", optim_args="rank=4,scale=inf"),
-                train_dataset=token_data())
+        Trainer(
+            model=tiny_llama(),
+            args=args(tmp_path, optim="galore_adamw", optim_args="rank=4,scale=inf"),
+            train_dataset=token_data(),
+        )
 
 
 @pytest.mark.parametrize("field", ["oversampling", "power_iterations", "seed", "max_proj_gap", "state_bits"])
@@ -243,7 +265,9 @@ def test_model_without_linear_layers_message():
 def test_lora_only_peft_model_message():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    with pytest.raises(ValueError, match=r"LoRA-only peft model has nothing for GaLore to train.*modules_to_save") as info:
+    with pytest.raises(
+        ValueError, match=r"LoRA-only peft model has nothing for GaLore to train.*modules_to_save"
+    ) as info:
         hgp.prepare_model(model, hgp.GaLoreConfig(rank=4))
     assert "Lower `rank`" not in str(info.value)
 

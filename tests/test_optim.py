@@ -128,7 +128,9 @@ def test_fused_fp32_step_of_a_value_does_not_depend_on_where_its_tensor_is_cut(c
         opt_whole.step()
         opt_pieces.step()
     assert torch.equal(whole.detach(), torch.cat([p.detach() for p in pieces]))
-    assert torch.equal(opt_whole.state[whole]["exp_avg_sq"], torch.cat([opt_pieces.state[p]["exp_avg_sq"] for p in pieces]))
+    assert torch.equal(
+        opt_whole.state[whole]["exp_avg_sq"], torch.cat([opt_pieces.state[p]["exp_avg_sq"] for p in pieces])
+    )
 
 
 def test_fused_and_single_tensor_fp32_paths_agree_to_rounding(monkeypatch):
@@ -447,7 +449,7 @@ def test_bad_group_value_is_rejected():
         AdamW([{"params": [torch.nn.Parameter(torch.zeros(3))], "block_size": 100}], state_bits=8)
 
 
-_FSDP2_SCRIPT = r'''
+_FSDP2_SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -502,7 +504,7 @@ deviation = max(((p.full_tensor() - r.detach()).norm() / r.detach().norm()).item
 if dist.get_rank() == 0:
     print("RESULT " + json.dumps({"reload_exact": reload_exact, "deviation": deviation}))
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.distributed
@@ -593,7 +595,12 @@ def test_nearest_code_index_equals_sorted_search():
 
 def _eight_bit_state(n, error_feedback, block=256):
     blocks = -(-n // block)
-    state = [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks), torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks)]
+    state = [
+        torch.zeros(n, dtype=torch.int8),
+        torch.zeros(blocks),
+        torch.zeros(n, dtype=torch.uint8),
+        torch.zeros(blocks),
+    ]
     state += [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks)] * 2 if error_feedback else [None] * 4
     return state
 
@@ -688,7 +695,11 @@ def test_8bit_backend_argument_is_checked():
         adamw8bit_step_torch(torch.zeros(300), torch.zeros(300), *state, backend="triton", **hyper)
     with pytest.raises(ValueError, match="backend='cpp' needs fp32"):
         adamw8bit_step_torch(
-            torch.zeros(300, dtype=torch.bfloat16), torch.zeros(300, dtype=torch.bfloat16), *state, backend="cpp", **hyper
+            torch.zeros(300, dtype=torch.bfloat16),
+            torch.zeros(300, dtype=torch.bfloat16),
+            *state,
+            backend="cpp",
+            **hyper,
         )
 
 

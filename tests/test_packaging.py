@@ -31,7 +31,10 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = src / "dist"
     subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
-        check=True, capture_output=True, text=True, timeout=300,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     (path,) = out.glob("*.whl")
     return zipfile.ZipFile(path)
@@ -78,7 +81,9 @@ def test_version_license_and_entry_points(wheel):
     assert metadata["License-Expression"] == "Apache-2.0"
     entry_points = _dist_info(wheel, "entry_points.txt")
     assert "[hf_galore_plugin.optimizers]" in entry_points
-    presets = {line.split("=")[0].strip(): line.split("=")[1].strip() for line in entry_points.splitlines() if "=" in line}
+    presets = {
+        line.split("=")[0].strip(): line.split("=")[1].strip() for line in entry_points.splitlines() if "=" in line
+    }
     assert presets == {name: f"hf_galore_plugin.presets:{name}" for name in hf_galore_plugin.PRESETS}
 
 

@@ -22,10 +22,22 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # NF4 as published in the QLoRA paper's appendix and bitsandbytes' `create_normal_map`
 # (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs").
 PUBLISHED_NF4 = [
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
 ]
 
 
@@ -144,8 +156,13 @@ def test_stochastic_rounding_is_unbiased(scheme, bits, double_quant):
     base = _randn((2 * block_size,), torch.float32, seed=3)
     x = base.repeat(draws)
     qt = hq.quantize(
-        x, scheme=scheme, bits=bits, block_size=block_size, double_quant=double_quant,
-        stochastic=True, generator=torch.Generator().manual_seed(7),
+        x,
+        scheme=scheme,
+        bits=bits,
+        block_size=block_size,
+        double_quant=double_quant,
+        stochastic=True,
+        generator=torch.Generator().manual_seed(7),
     )
     samples = qt.dequantize().view(draws, -1)
     step = _max_step(scheme, bits) * qt.block_scales()[:2].repeat_interleave(block_size)
@@ -214,7 +231,11 @@ def test_state_round_trip_is_exact(scheme, bits, double_quant):
     assert all(torch.equal(again_tensors[k], tensors[k]) for k in tensors)
     assert torch.equal(back.dequantize(), qt.dequantize())
     assert (back.shape, back.dtype, back.scheme, back.bits, back.block_size) == (
-        qt.shape, qt.dtype, qt.scheme, qt.bits, qt.block_size,
+        qt.shape,
+        qt.dtype,
+        qt.scheme,
+        qt.bits,
+        qt.block_size,
     )
 
 
@@ -326,7 +347,9 @@ def test_pack_unpack_errors():
         hq.pack_int4(torch.tensor([1, 16], dtype=torch.uint8))
     codes, scales, _ = hq.quantize_blockwise(torch.randn(100), scheme="nf4", bits=4, block_size=64)
     with pytest.raises(ValueError, match=r"codes hold 50 elements but 101 values at 4 bits need 51"):
-        hq.dequantize_blockwise(codes, scales, None, scheme="nf4", bits=4, block_size=64, numel=101, dtype=torch.float32)
+        hq.dequantize_blockwise(
+            codes, scales, None, scheme="nf4", bits=4, block_size=64, numel=101, dtype=torch.float32
+        )
 
 
 @pytest.mark.parametrize(
@@ -338,7 +361,12 @@ def test_pack_unpack_errors():
         (torch.ones(4, dtype=torch.float64), {}, TypeError, r"dtype torch.float64"),
         ([1.0, 2.0], {}, TypeError, r"must be a torch.Tensor, got list"),
         (torch.ones(4), {"scheme": "int8"}, ValueError, r"unknown quantization scheme 'int8'; use one of symmetric"),
-        (torch.ones(4), {"bits": 3}, ValueError, r"bits=3 is not supported by scheme 'symmetric'; use bits in \(4, 8\)"),
+        (
+            torch.ones(4),
+            {"bits": 3},
+            ValueError,
+            r"bits=3 is not supported by scheme 'symmetric'; use bits in \(4, 8\)",
+        ),
         (torch.ones(4), {"scheme": "nf4", "bits": 8}, ValueError, r"bits=8 is not supported by scheme 'nf4'"),
         (torch.ones(4), {"block_size": 48}, ValueError, r"block_size=48 must be a power of two between 32 and 4096"),
         (torch.ones(4), {"block_size": 8192}, ValueError, r"block_size=8192"),
@@ -432,8 +460,9 @@ def test_finite_input_wider_than_float32_range_stays_finite(scheme, bits, stocha
     x = torch.linspace(-0.9 * big, 0.9 * big, 64, dtype=torch.float64).to(torch.float32)
     x = torch.cat([x, torch.randn(64, generator=torch.Generator().manual_seed(0))])
     generator = torch.Generator().manual_seed(1) if stochastic else None
-    qt = hq.quantize(x, scheme=scheme, bits=bits, block_size=64, double_quant=False, stochastic=stochastic,
-                     generator=generator)
+    qt = hq.quantize(
+        x, scheme=scheme, bits=bits, block_size=64, double_quant=False, stochastic=stochastic, generator=generator
+    )
     out = qt.dequantize(torch.float32)
     assert bool(torch.isfinite(out).all()), out[~torch.isfinite(out)][:4]
     # within one step of the block's grid (oracle: exact float64 arithmetic on the same range)

@@ -64,9 +64,7 @@ def test_quantize_kernel_equals_twin(scheme, bits, shape, dtype, stochastic):
     kwargs = {"scheme": scheme, "bits": bits, "block_size": block_size}
     expected = functional.quantize_blockwise_torch(x, randoms=randoms, **kwargs)
     _assert_same_outputs(kernels.quantize_blockwise_triton(x, randoms=randoms, **kwargs), expected)
-    _assert_same_outputs(
-        kernels.blockwise_stats_triton(x, **kwargs), functional.blockwise_stats_torch(x, **kwargs)
-    )
+    _assert_same_outputs(kernels.blockwise_stats_triton(x, **kwargs), functional.blockwise_stats_torch(x, **kwargs))
 
 
 @pytest.mark.parametrize("scheme,bits", CONFIGS)
@@ -145,7 +143,11 @@ def test_kernel_stochastic_rounding_is_unbiased():
     draws, block_size = 256, 64
     base = _randn((block_size,), torch.float32, seed=4)
     qt = hq.quantize(
-        base.repeat(draws), scheme="nf4", bits=4, block_size=block_size, stochastic=True,
+        base.repeat(draws),
+        scheme="nf4",
+        bits=4,
+        block_size=block_size,
+        stochastic=True,
         generator=torch.Generator().manual_seed(9),
     )
     samples = qt.dequantize().view(draws, -1)
@@ -157,8 +159,9 @@ def test_kernel_stochastic_rounding_is_unbiased():
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_kernel_asymmetric_block_wider_than_float32_range_equals_twin(stochastic):
     big = torch.finfo(torch.float32).max
-    x = torch.cat([torch.linspace(-0.9 * big, 0.9 * big, 64, dtype=torch.float64).to(torch.float32),
-                   _randn((64,), torch.float32)])
+    x = torch.cat(
+        [torch.linspace(-0.9 * big, 0.9 * big, 64, dtype=torch.float64).to(torch.float32), _randn((64,), torch.float32)]
+    )
     randoms = torch.rand(x.numel(), generator=torch.Generator().manual_seed(2)) if stochastic else None
     kwargs = {"scheme": "asymmetric", "bits": 8, "block_size": 64}
     got = kernels.quantize_blockwise_triton(x, randoms=randoms, **kwargs)

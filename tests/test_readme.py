@@ -39,6 +39,9 @@ def test_readme_has_the_snippets_we_run():
 def test_readme_python_snippet_runs(index, tmp_path, monkeypatch, tiny_llama):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")  # torch twins: the interpreter would only be slow here
+    # A snippet may set HF_GALORE_PLUGIN_NO_PATCH (read at import, already done here): undone after the test.
+    monkeypatch.setenv("HF_GALORE_PLUGIN_NO_PATCH", "0")
+    monkeypatch.delenv("HF_GALORE_PLUGIN_NO_PATCH")
     namespace = _namespace(tiny_llama)
     before = {n: p.detach().clone() for n, p in namespace["model"].named_parameters()}
     exec(compile(_python_blocks()[index], f"README.md[python block {index}]", "exec"), namespace)

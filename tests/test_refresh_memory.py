@@ -341,7 +341,9 @@ def test_zero_with_8bit_state_rejects_late_calibration_at_construction(state_bit
 
     model = _model(refresh_schedule="staggered", state_bits=state_bits)
     client = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    engine = SimpleNamespace(zero_optimization_stage=lambda: 2, module=model, optimizer=SimpleNamespace(optimizer=client))
+    engine = SimpleNamespace(
+        zero_optimization_stage=lambda: 2, module=model, optimizer=SimpleNamespace(optimizer=client)
+    )
     if raises:
         with pytest.raises(NotImplementedError, match="refresh_schedule='aligned'.*or state_bits=32"):
             DeepSpeedGaLoreOptimizer(engine)

@@ -200,7 +200,10 @@ class GaLoreCallback(TrainerCallback):
                 self._similarities_since_log.append(float(event["similarity"]))
             logger.info(
                 "GaLore step %d: refreshed %d layer(s) %s; subspace similarity %s",
-                state.global_step, len(event["refreshed"]), event["refreshed"], event.get("similarity"),
+                state.global_step,
+                len(event["refreshed"]),
+                event["refreshed"],
+                event.get("similarity"),
             )
 
     def on_log(self, args, state, control, logs=None, model=None, optimizer=None, **kwargs):

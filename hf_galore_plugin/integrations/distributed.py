@@ -110,8 +110,9 @@ def load_gathered_galore_state_dict(
 def _load_layer_state(layer: GaLoreLinear, layer_state: dict[str, torch.Tensor]) -> None:
     with zero3_gathered(layer.parameters(recurse=False), modifier_rank=0), torch.no_grad():
         current = layer.state_dict(keep_vars=True)
-        sharded = {key: shard_like(current[key], value) if key in current else value
-                   for key, value in layer_state.items()}
+        sharded = {
+            key: shard_like(current[key], value) if key in current else value for key, value in layer_state.items()
+        }
         layer.load_state_dict(sharded, strict=True)
 
 
@@ -150,5 +151,3 @@ def merged_state_dict_from(model: nn.Module, state_dict: dict[str, torch.Tensor]
         )
     with _layer_tensors_from(model, state_dict):
         return merged_state_dict(model, state_dict)
-
-

@@ -170,4 +170,3 @@ def config_from_training_args(
     except (TypeError, ValueError) as exc:
         given = ", ".join(f"{key}={value!r}" for key, value in overrides.items())
         raise ValueError(f"optimizer {optimizer_name!r} with {given}: {exc}") from exc
-

@@ -306,7 +306,9 @@ def _galore_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module], name
         _takeover_logged = True
         logger.warning(
             "optim=%r is served by hf_galore_plugin, not by transformers' galore-torch integration "
-            "(set %s=1 to use transformers' implementation)", name, NO_TAKEOVER_ENV,
+            "(set %s=1 to use transformers' implementation)",
+            name,
+            NO_TAKEOVER_ENV,
         )
     from .callback import galore_model_of
 
@@ -359,6 +361,7 @@ def _galore_state_injected(
         per_layer.setdefault(layer_name, {})[sub_key] = value
     handles = []
     for layer_name, layer in galore_layers(model):
+
         def inject(state_dict, prefix, *unused, layer_state=per_layer.get(layer_name, {}), layer_name=layer_name):
             merged = state_dict.pop(prefix + "weight", None)
             if merged is not None:
@@ -425,7 +428,10 @@ def _resolve_resume(output_dir: str, resume: Any) -> Any:
         if skipped:
             logger.warning(
                 "resume_from_checkpoint=True: skipping incomplete checkpoint(s) %s (no %s: the run stopped while "
-                "writing them); resuming from %s", skipped, GALORE_STATE_NAME, complete,
+                "writing them); resuming from %s",
+                skipped,
+                GALORE_STATE_NAME,
+                complete,
             )
         return complete
     if isinstance(resume, (str, os.PathLike)) and os.path.isdir(resume) and not checkpoint_is_complete(resume):
@@ -476,7 +482,8 @@ def _read_galore_state(folder: str, prepared: Optional[nn.Module] = None, traine
     if payload["format"] is None:
         logger.warning(
             "%s was written by an earlier version of hf_galore_plugin without its step and settings: it is "
-            "loaded without checking that it belongs to this checkpoint", path,
+            "loaded without checking that it belongs to this checkpoint",
+            path,
         )
         return payload
     step = _saved_global_step(folder)
@@ -487,7 +494,9 @@ def _read_galore_state(folder: str, prepared: Optional[nn.Module] = None, traine
             "Resume from a checkpoint whose files were written together."
         )
     if prepared is not None and payload["config"] is not None:
-        payload["changed"] = compare_galore_config(payload["config"], prepared.galore_config, where=f"checkpoint {folder}")
+        payload["changed"] = compare_galore_config(
+            payload["config"], prepared.galore_config, where=f"checkpoint {folder}"
+        )
     name = _served_name(getattr(getattr(trainer, "args", None), "optim", None))
     if name is not None and payload["optimizer"] is not None and payload["optimizer"] != name:
         raise GaLoreCheckpointError(
@@ -665,12 +674,21 @@ def trainer_patch_targets(trainer_module: Any) -> list[PatchTarget]:
 
         for name in sorted(_served):
             targets.append(
-                PatchTarget(table, OptimizerNames(name), _optimizer_handler(name), f"transformers.trainer._OPTIMIZER_HANDLERS[{name!r}]")
+                PatchTarget(
+                    table,
+                    OptimizerNames(name),
+                    _optimizer_handler(name),
+                    f"transformers.trainer._OPTIMIZER_HANDLERS[{name!r}]",
+                )
             )
     else:
         targets.append(
-            PatchTarget(trainer_cls, "get_optimizer_cls_and_kwargs", _wrap_optimizer_dispatch,
-                        "transformers.Trainer.get_optimizer_cls_and_kwargs")
+            PatchTarget(
+                trainer_cls,
+                "get_optimizer_cls_and_kwargs",
+                _wrap_optimizer_dispatch,
+                "transformers.Trainer.get_optimizer_cls_and_kwargs",
+            )
         )
     for attribute, wrap in (
         ("__init__", _wrap_init),
@@ -682,8 +700,12 @@ def trainer_patch_targets(trainer_module: Any) -> list[PatchTarget]:
     ):
         targets.append(PatchTarget(trainer_cls, attribute, wrap, f"transformers.Trainer.{attribute}"))
     targets.append(
-        PatchTarget(trainer_module, "deepspeed_load_checkpoint", _wrap_deepspeed_load_checkpoint,
-                    "transformers.trainer.deepspeed_load_checkpoint")
+        PatchTarget(
+            trainer_module,
+            "deepspeed_load_checkpoint",
+            _wrap_deepspeed_load_checkpoint,
+            "transformers.trainer.deepspeed_load_checkpoint",
+        )
     )
     return targets
 
@@ -691,7 +713,9 @@ def trainer_patch_targets(trainer_module: Any) -> list[PatchTarget]:
 def _trainer_requires(trainer_module: Any) -> tuple[PatchTarget, ...]:
     """Trainer methods the patches call without replacing them."""
     trainer_cls = trainer_module.Trainer
-    return (PatchTarget(trainer_cls, "_get_output_dir", lambda original: original, "transformers.Trainer._get_output_dir"),)
+    return (
+        PatchTarget(trainer_cls, "_get_output_dir", lambda original: original, "transformers.Trainer._get_output_dir"),
+    )
 
 
 def trainer_is_patched() -> bool:
@@ -928,12 +952,17 @@ def save_galore_state(trainer: Any, prepared: nn.Module, folder: str) -> None:
     if not trainer.args.should_save:
         return
     if not os.path.isdir(folder):
-        raise RuntimeError(f"GaLore: checkpoint folder {folder} was not written by the Trainer; cannot save GaLore state")
+        raise RuntimeError(
+            f"GaLore: checkpoint folder {folder} was not written by the Trainer; cannot save GaLore state"
+        )
     _fsync_tree(folder)
     optim = _served_name(getattr(trainer.args, "optim", None))
     _api.save_galore_checkpoint(
-        os.path.join(folder, GALORE_STATE_NAME), galore_state, prepared.galore_config,
-        global_step=trainer.state.global_step, optimizer_name=optim,
+        os.path.join(folder, GALORE_STATE_NAME),
+        galore_state,
+        prepared.galore_config,
+        global_step=trainer.state.global_step,
+        optimizer_name=optim,
     )
 
 
@@ -967,8 +996,10 @@ def _rotate(trainer: Any, run_dir: str) -> None:
     if rotate is None:
         raise _internals_missing("transformers.trainer.rotate_checkpoints / Trainer._rotate_checkpoints")
     rotate(
-        output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
-        best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True,
+        output_dir=run_dir,
+        save_total_limit=trainer.args.save_total_limit,
+        best_model_checkpoint=trainer.state.best_model_checkpoint,
+        use_mtime=True,
     )
 
 

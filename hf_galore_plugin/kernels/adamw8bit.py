@@ -132,9 +132,7 @@ def code_lookup_table(*, signed: bool, device: torch.device | str = "cpu") -> tu
     return _code_lookup_cached(signed, torch.device(device))
 
 
-def _lookup_index(
-    normalized: torch.Tensor, table: torch.Tensor, midpoints: torch.Tensor
-) -> torch.Tensor:
+def _lookup_index(normalized: torch.Tensor, table: torch.Tensor, midpoints: torch.Tensor) -> torch.Tensor:
     """int64 #(midpoints < y) for fp32 `normalized`, through the bucket table (NaN gives 0 or 255)."""
     bits = normalized.view(torch.int32)
     key = ((bits & 0x7FFFFFFF) >> LOOKUP_SHIFT) - LOOKUP_BASE

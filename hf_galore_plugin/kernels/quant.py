@@ -133,8 +133,15 @@ def _decode(code, scale, zero, table_ptr, levels, SCHEME: tl.constexpr):
 
 @triton.jit
 def _blockwise_stats_kernel(
-    x_ptr, scales_ptr, zeros_ptr, numel, num_blocks, levels,
-    ASYMMETRIC: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr,
+    scales_ptr,
+    zeros_ptr,
+    numel,
+    num_blocks,
+    levels,
+    ASYMMETRIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     rows, row_mask, offsets, mask = _tile_offsets(pid, numel, num_blocks, BLOCK, ROWS, 1)
@@ -148,11 +155,24 @@ def _blockwise_stats_kernel(
 
 @triton.jit
 def _quantize_blockwise_kernel(
-    x_ptr, randoms_ptr, scales_in_ptr, zeros_in_ptr, table_ptr,
-    codes_ptr, scales_ptr, zeros_ptr,
-    numel, num_blocks, levels, nibble_offset,
-    SCHEME: tl.constexpr, PACKED: tl.constexpr, STOCHASTIC: tl.constexpr,
-    SCALES_GIVEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr,
+    randoms_ptr,
+    scales_in_ptr,
+    zeros_in_ptr,
+    table_ptr,
+    codes_ptr,
+    scales_ptr,
+    zeros_ptr,
+    numel,
+    num_blocks,
+    levels,
+    nibble_offset,
+    SCHEME: tl.constexpr,
+    PACKED: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    SCALES_GIVEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     rows, row_mask, offs_a, mask_a = _tile_offsets(pid, numel, num_blocks, BLOCK, ROWS, 1 + PACKED)
@@ -196,9 +216,19 @@ def _quantize_blockwise_kernel(
 
 @triton.jit
 def _dequantize_blockwise_kernel(
-    codes_ptr, scales_ptr, zeros_ptr, table_ptr, out_ptr,
-    numel, num_blocks, levels, nibble_offset,
-    SCHEME: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    codes_ptr,
+    scales_ptr,
+    zeros_ptr,
+    table_ptr,
+    out_ptr,
+    numel,
+    num_blocks,
+    levels,
+    nibble_offset,
+    SCHEME: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     rows, row_mask, offs_a, mask_a = _tile_offsets(pid, numel, num_blocks, BLOCK, ROWS, 1 + PACKED)
@@ -235,8 +265,15 @@ def blockwise_stats_triton(
     zeros = torch.empty_like(scales) if scheme == "asymmetric" else None
     if num_blocks:
         _blockwise_stats_kernel[grid](
-            x, scales, scales if zeros is None else zeros, x.numel(), num_blocks,
-            code_levels(scheme, bits), ASYMMETRIC=scheme == "asymmetric", BLOCK=block_size, ROWS=rows,
+            x,
+            scales,
+            scales if zeros is None else zeros,
+            x.numel(),
+            num_blocks,
+            code_levels(scheme, bits),
+            ASYMMETRIC=scheme == "asymmetric",
+            BLOCK=block_size,
+            ROWS=rows,
             enable_fp_fusion=False,
         )
     return scales, zeros
@@ -265,11 +302,24 @@ def quantize_blockwise_triton(
         scales = scales.contiguous()
         zeros = scales if zero_points is None else zero_points.contiguous()
         _quantize_blockwise_kernel[grid](
-            x, x if randoms is None else randoms.reshape(-1).contiguous(), scales, zeros,
-            grid_table(x.device), codes, scales, zeros,
-            numel, num_blocks, code_levels(scheme, bits), nibble_offset(scheme, bits),
-            SCHEME=_SCHEME_IDS[scheme], PACKED=bits == 4, STOCHASTIC=randoms is not None,
-            SCALES_GIVEN=scales_given, BLOCK=block_size, ROWS=rows,
+            x,
+            x if randoms is None else randoms.reshape(-1).contiguous(),
+            scales,
+            zeros,
+            grid_table(x.device),
+            codes,
+            scales,
+            zeros,
+            numel,
+            num_blocks,
+            code_levels(scheme, bits),
+            nibble_offset(scheme, bits),
+            SCHEME=_SCHEME_IDS[scheme],
+            PACKED=bits == 4,
+            STOCHASTIC=randoms is not None,
+            SCALES_GIVEN=scales_given,
+            BLOCK=block_size,
+            ROWS=rows,
             enable_fp_fusion=False,
         )
     return codes, scales, zero_points
@@ -292,10 +342,19 @@ def dequantize_blockwise_triton(
     if num_blocks:
         scales = scales.contiguous()
         _dequantize_blockwise_kernel[grid](
-            codes.contiguous(), scales, scales if zero_points is None else zero_points.contiguous(),
-            grid_table(codes.device), out, numel, num_blocks, code_levels(scheme, bits),
+            codes.contiguous(),
+            scales,
+            scales if zero_points is None else zero_points.contiguous(),
+            grid_table(codes.device),
+            out,
+            numel,
+            num_blocks,
+            code_levels(scheme, bits),
             nibble_offset(scheme, bits),
-            SCHEME=_SCHEME_IDS[scheme], PACKED=bits == 4, BLOCK=block_size, ROWS=rows,
+            SCHEME=_SCHEME_IDS[scheme],
+            PACKED=bits == 4,
+            BLOCK=block_size,
+            ROWS=rows,
             enable_fp_fusion=False,
         )
     return out

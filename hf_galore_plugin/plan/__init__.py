@@ -51,7 +51,9 @@ def load_config(model: Optional[str] = None, config: Optional[str] = None):
     if model is not None:
         shapes = _models()
         if model not in shapes:
-            raise PlanError(f"unknown model {model!r}; known shapes: {', '.join(shapes)} (or pass --config config.json)")
+            raise PlanError(
+                f"unknown model {model!r}; known shapes: {', '.join(shapes)} (or pass --config config.json)"
+            )
         fields = dict(shapes[model])
         cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     else:
@@ -97,7 +99,9 @@ def _parse_optim_args(optim_args) -> dict[str, Any]:
             raise PlanError(f"--optim-args {optim_args!r}: {exc}") from exc
     unknown = set(values) - set(GaLoreConfig.field_names())
     if unknown:
-        raise PlanError(f"--optim-args: unknown GaLoreConfig field(s) {sorted(unknown)}; valid: {GaLoreConfig.field_names()}")
+        raise PlanError(
+            f"--optim-args: unknown GaLoreConfig field(s) {sorted(unknown)}; valid: {GaLoreConfig.field_names()}"
+        )
     try:
         GaLoreConfig(**values)
     except (ValueError, TypeError) as exc:
@@ -168,9 +172,16 @@ def estimate(
         "model": model or str(config),
         "params": _count_params(cfg),
         "settings": {
-            "seq_len": seq_len, "batch_size": batch_size, "gradient_checkpointing": gradient_checkpointing,
-            "dtype": dtype, "rank": settings.rank, "lora_rank": lora_rank, "optim_args": overrides,
-            "world_size": world_size, "engine": engine, "device": device,
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "gradient_checkpointing": gradient_checkpointing,
+            "dtype": dtype,
+            "rank": settings.rank,
+            "lora_rank": lora_rank,
+            "optim_args": overrides,
+            "world_size": world_size,
+            "engine": engine,
+            "device": device,
             "per_rank_rule": _RULES[engine] if world_size > 1 else "one process: nothing sharded",
         },  # fmt: skip
         "methods": {},
@@ -188,7 +199,9 @@ def estimate(
             entry[f"{key}peak_phase"] = peak.phase
             if not key:
                 entry["largest_tensors"] = peak.largest
-        entry["fits_gpus_gb"] = [g for g in GPU_SIZES_GB if max(entry["peak_bytes"], entry["refresh_peak_bytes"]) <= g * 10**9]
+        entry["fits_gpus_gb"] = [
+            g for g in GPU_SIZES_GB if max(entry["peak_bytes"], entry["refresh_peak_bytes"]) <= g * 10**9
+        ]
         entry["notes"] = t.notes
         result["methods"][name] = entry
     return result

@@ -42,7 +42,9 @@ def format_details(plan: dict) -> str:
         lines.append(f"{name}: peak in {m['peak_phase']}, refresh-step peak in {m['refresh_peak_phase']}; "
                      + "; ".join(m["notes"]))  # fmt: skip
         for t in m["largest_tensors"][:3]:
-            lines.append(f"    {t['part']:>15} {_gib(t['bytes'])} GiB {t['dtype']} {tuple(t['shape'])} (made in {t['made_in']})")
+            lines.append(
+                f"    {t['part']:>15} {_gib(t['bytes'])} GiB {t['dtype']} {tuple(t['shape'])} (made in {t['made_in']})"
+            )
     lines.append(f"per rank: {plan['settings']['per_rank_rule']}")
     return "\n".join(lines)
 
@@ -81,7 +83,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help=f"a known shape: {', '.join(MODEL_NAMES)}")
     parser.add_argument("--config", help="a transformers config.json (file or folder); no weights needed")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, any of {', '.join(METHODS)}")
-    parser.add_argument("--optim-args", default="", help="GaLoreConfig overrides for our presets, e.g. rank=256,weight_storage=nf4")
+    parser.add_argument(
+        "--optim-args", default="", help="GaLoreConfig overrides for our presets, e.g. rank=256,weight_storage=nf4"
+    )
     parser.add_argument("--rank", type=int, default=256, help="GaLore rank (ours and galore_torch)")
     parser.add_argument("--lora-rank", type=int, default=64, help="LoRA / QLoRA rank (every decoder linear layer)")
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -90,7 +94,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (the dtype the model is trained in)")
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--engine", default="ddp", help=f"one of {', '.join(ENGINES)} (per-rank bytes)")
-    parser.add_argument("--device", default="cuda", help="cuda: the code paths of a GPU run (default); cpu: of a CPU run")
+    parser.add_argument(
+        "--device", default="cuda", help="cuda: the code paths of a GPU run (default); cpu: of a CPU run"
+    )
     parser.add_argument("--full-trace", action="store_true", help="trace every layer instead of scaling from 4 and 5")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart of the peaks to this file")

@@ -489,7 +489,9 @@ def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 
             # The step is not the same sequence of runs at both depths (a model whose layers differ):
             # scaling does not apply, so the whole model is traced.
             full = trace_method(config, method, settings)
-            full.notes.append(f"layers are not identical ({base_layers} vs {base_layers + 1} layers differ): full trace")
+            full.notes.append(
+                f"layers are not identical ({base_layers} vs {base_layers + 1} layers differ): full trace"
+            )
             return full
         step = []
         for key, b in b_keyed.items():

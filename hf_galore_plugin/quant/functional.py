@@ -76,9 +76,7 @@ def check_quant_args(*, scheme: str, bits: int, block_size: int) -> None:
         raise ValueError(f"unknown quantization scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
     supported = _SUPPORTED_BITS[scheme]
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in supported:
-        raise ValueError(
-            f"bits={bits!r} is not supported by scheme {scheme!r}; use bits in {supported}"
-        )
+        raise ValueError(f"bits={bits!r} is not supported by scheme {scheme!r}; use bits in {supported}")
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int, got {block_size!r} ({type(block_size).__name__})")
     if not (_MIN_BLOCK <= block_size <= _MAX_BLOCK) or block_size & (block_size - 1):
@@ -110,9 +108,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
         got = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
         raise TypeError(f"pack_int4 takes a uint8 tensor of values in [0, 15], got {got}")
     if codes.numel() and int(codes.max()) > 15:
-        raise ValueError(
-            f"pack_int4 got a value {int(codes.max())} > 15; 4-bit codes must lie in [0, 15]"
-        )
+        raise ValueError(f"pack_int4 got a value {int(codes.max())} > 15; 4-bit codes must lie in [0, 15]")
     flat = codes.reshape(-1)
     if flat.numel() % 2:
         flat = torch.cat([flat, flat.new_zeros(1)])

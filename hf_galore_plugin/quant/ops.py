@@ -68,8 +68,13 @@ def quantize_blockwise(
     if scales is not None:
         _check_block_tensors(scales, zero_points, scheme=scheme, numel=x.numel(), block_size=block_size)
     return _implementation("quantize_blockwise", x)(
-        x, scheme=scheme, bits=bits, block_size=block_size,
-        randoms=randoms, scales=scales, zero_points=zero_points,
+        x,
+        scheme=scheme,
+        bits=bits,
+        block_size=block_size,
+        randoms=randoms,
+        scales=scales,
+        zero_points=zero_points,
     )
 
 
@@ -95,6 +100,12 @@ def dequantize_blockwise(
         )
     _check_block_tensors(scales, zero_points, scheme=scheme, numel=numel, block_size=block_size)
     return _implementation("dequantize_blockwise", codes)(
-        codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size,
-        numel=numel, dtype=dtype,
+        codes,
+        scales,
+        zero_points,
+        scheme=scheme,
+        bits=bits,
+        block_size=block_size,
+        numel=numel,
+        dtype=dtype,
     )

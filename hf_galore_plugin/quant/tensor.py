@@ -39,9 +39,7 @@ def _double_quantize_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.T
     count = (~invalid).sum().clamp_min(1)
     offset = torch.where(invalid, 0.0, scales).sum() / count
     centered = torch.where(invalid, 0.0, scales - offset)
-    codes, nested_scales, _ = quantize_blockwise(
-        centered, scheme="symmetric", bits=8, block_size=_NESTED_BLOCK
-    )
+    codes, nested_scales, _ = quantize_blockwise(centered, scheme="symmetric", bits=8, block_size=_NESTED_BLOCK)
     codes = torch.where(invalid, _NESTED_NAN_CODE, codes)
     # Round up where rounding to nearest landed below the true scale, so that no value of the
     # block has to be clamped (clamping cost 8-bit asymmetric codes ~40% more max error on N(0,1)).
@@ -51,8 +49,14 @@ def _double_quantize_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def _dequantize_scales(codes: torch.Tensor, nested_scales: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     scales = dequantize_blockwise(
-        codes, nested_scales, None, scheme="symmetric", bits=8, block_size=_NESTED_BLOCK,
-        numel=codes.numel(), dtype=torch.float32,
+        codes,
+        nested_scales,
+        None,
+        scheme="symmetric",
+        bits=8,
+        block_size=_NESTED_BLOCK,
+        numel=codes.numel(),
+        dtype=torch.float32,
     )
     return torch.where(codes == _NESTED_NAN_CODE, math.nan, (scales + offset).clamp_min(0.0))
 
@@ -116,8 +120,14 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The approximated tensor, in `dtype` (default: the dtype it was quantized from)."""
         flat = dequantize_blockwise(
-            self.codes, self.block_scales(), self.zero_points, scheme=self.scheme, bits=self.bits,
-            block_size=self.block_size, numel=self.numel(), dtype=dtype or self.dtype,
+            self.codes,
+            self.block_scales(),
+            self.zero_points,
+            scheme=self.scheme,
+            bits=self.bits,
+            block_size=self.block_size,
+            numel=self.numel(),
+            dtype=dtype or self.dtype,
         )
         return flat.view(self.shape)
 
@@ -229,7 +239,11 @@ def quantize(
         scales, zero_points = blockwise_stats(x, scheme=scheme, bits=bits, block_size=block_size)
         nested_codes, nested_scales, nested_offset = _double_quantize_scales(scales)
         codes, _, _ = quantize_blockwise(
-            x, scheme=scheme, bits=bits, block_size=block_size, randoms=randoms,
+            x,
+            scheme=scheme,
+            bits=bits,
+            block_size=block_size,
+            randoms=randoms,
             scales=_dequantize_scales(nested_codes, nested_scales, nested_offset),
             zero_points=zero_points,
         )
@@ -239,9 +253,18 @@ def quantize(
             x, scheme=scheme, bits=bits, block_size=block_size, randoms=randoms
         )
     return QuantizedTensor(
-        codes=codes, scales=scales, zero_points=zero_points, nested_codes=nested_codes,
-        nested_scales=nested_scales, nested_offset=nested_offset, shape=x.shape, dtype=x.dtype,
-        scheme=scheme, bits=bits, block_size=block_size, double_quant=bool(double_quant),
+        codes=codes,
+        scales=scales,
+        zero_points=zero_points,
+        nested_codes=nested_codes,
+        nested_scales=nested_scales,
+        nested_offset=nested_offset,
+        shape=x.shape,
+        dtype=x.dtype,
+        scheme=scheme,
+        bits=bits,
+        block_size=block_size,
+        double_quant=bool(double_quant),
     )
 
 

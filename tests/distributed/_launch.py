@@ -21,9 +21,20 @@ def _env(**overrides: str) -> dict:
 def run_two_ranks(out: Path, *args: str, script: Path = SCRIPT, **env: str) -> subprocess.CompletedProcess:
     """torchrun, gloo, 2 processes; a failing rank ends the run (torchrun stops the other), never a hang."""
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(out),
-         *args],
-        env=_env(**env), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(out),
+            *args,
+        ],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

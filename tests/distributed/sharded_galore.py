@@ -109,7 +109,8 @@ def main(out: str) -> None:
             model = FullyShardedDataParallel(
                 model,
                 use_orig_params=os.environ.get("USE_ORIG_PARAMS", "1") == "1",
-                device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block})
+                device_id=torch.device("cpu"),
+                auto_wrap_policy=ModuleWrapPolicy({Block}),
             )
             forward = model
         optimizer = create_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)

@@ -123,11 +123,23 @@ def token_data(n: int = 96, length: int = 16) -> list[dict[str, torch.Tensor]]:
 def training_args(output_dir: Path, **overrides) -> TrainingArguments:
     world = int(os.environ.get("WORLD_SIZE", 1))
     kwargs = dict(
-        output_dir=str(output_dir), optim=PRESET, optim_args=f"rank=8,update_proj_gap={GAP}{EXTRA_OPTIM_ARGS}",
+        output_dir=str(output_dir),
+        optim=PRESET,
+        optim_args=f"rank=8,update_proj_gap={GAP}{EXTRA_OPTIM_ARGS}",
         max_steps=STEPS,
-        per_device_train_batch_size=GLOBAL_BATCH // ACCUMULATION // world, gradient_accumulation_steps=ACCUMULATION,
-        learning_rate=3e-3, weight_decay=0.01, logging_steps=1, save_strategy="steps", save_steps=SAVE_AT,
-        report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        per_device_train_batch_size=GLOBAL_BATCH // ACCUMULATION // world,
+        gradient_accumulation_steps=ACCUMULATION,
+        learning_rate=3e-3,
+        weight_decay=0.01,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     if ENGINE.startswith("zero"):
         kwargs["deepspeed"] = str(REPO / "examples" / "deepspeed" / f"{ENGINE}.json")
@@ -173,10 +185,15 @@ def main(out: str, model_dir: str) -> None:
     work = Path(out).parent / f"work_{ENGINE}_{PRESET}"
     losses, refresh_steps, final, partitioned_at_load = train(model_dir, work / "run")
     checkpoint = work / "run" / f"checkpoint-{SAVE_AT}"
-    resumed_losses, _, resumed_final, _ = train(model_dir, work / "resumed", resume_from=str(checkpoint),
-                                                save_strategy="no")
-    result = {"losses": losses, "resumed_losses": resumed_losses, "refresh_steps": refresh_steps,
-              "partitioned_at_load": partitioned_at_load}
+    resumed_losses, _, resumed_final, _ = train(
+        model_dir, work / "resumed", resume_from=str(checkpoint), save_strategy="no"
+    )
+    result = {
+        "losses": losses,
+        "resumed_losses": resumed_losses,
+        "refresh_steps": refresh_steps,
+        "partitioned_at_load": partitioned_at_load,
+    }
     if os.environ.get("WITHOUT_GALORE_STATE") == "1":
         incomplete = work / "incomplete"
         if int(os.environ.get("RANK", 0)) == 0:
