@@ -57,7 +57,7 @@ except ImportError:  # torch built without distributed support
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GaLoreLinear", "assign_refresh_phases"]
+__all__ = ["GaLoreLinear", "assign_refresh_phases", "pack_refresh_phases", "refresh_phase_capacity"]
 
 _QUANT_SCHEMES = {
     # storage name -> (scheme, bits) of hf_galore_plugin.quant.quantize
@@ -373,11 +373,14 @@ class GaLoreLinear(nn.Module):
         self._check_factor_layout()
         p, q = self.basis("left", dtype), self.basis("right", dtype)
         delta = _full_tensor(self.galore_factor.detach()).to(dtype)
+        if q is None and p is None:
+            return delta * self.config.scale
         if q is not None:
             delta = delta @ q.mT
         if p is not None:
             delta = p @ delta
-        return delta * self.config.scale
+        # In place on the product (a fresh m x n tensor): one full-size temporary fewer when folding.
+        return delta.mul_(self.config.scale)
 
     def _local_lowrank_delta(self, like: "DTensor") -> torch.Tensor:
         """This rank's part of the low-rank delta, for a W0 sharded as `like` (FSDP2: Shard(0) rows)."""
@@ -414,7 +417,10 @@ class GaLoreLinear(nn.Module):
             return DTensor.from_local(
                 local.to(dtype), w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
             )
-        w = self.base_weight(torch.float32) * self.base_multiplier + self.lowrank_delta(torch.float32)
+        # A fresh tensor (the product), so the delta is added in place: the same sum, one m x n fp32
+        # temporary fewer at a refresh's fold (the peak of a refresh step with a quantized W0).
+        w = self.base_weight(torch.float32) * self.base_multiplier
+        w.add_(self.lowrank_delta(torch.float32))
         return w.to(dtype)
 
     def _check_factor_layout(self) -> None:
@@ -781,6 +787,56 @@ class GaLoreLinear(nn.Module):
 _SKETCH_STREAM = 0x5EED_5EED_0000_0000
 
 
+def refresh_phase_capacity(config, layers: list["GaLoreLinear"], costs: list[int]) -> int:
+    """Most bytes of refresh records one staggered phase may hold: ``refresh_budget_mb``, by default the
+    largest targeted layer's dense fp32 gradient; never less than the largest single record."""
+    if config.refresh_budget_mb is not None:
+        budget = int(config.refresh_budget_mb * 2**20)
+    else:
+        budget = max((4 * layer.out_features * layer.in_features for layer in layers if layer.needs_basis), default=0)
+    return max(budget, *costs) if costs else budget
+
+
+def pack_refresh_phases(costs: list[int], capacity: int, gap: int) -> tuple[list[int], bool]:
+    """Phases for records of `costs` bytes (0: no record): first-fit decreasing into the fewest phases of
+    `capacity` bytes, then spread largest-first onto the lightest phase where that still fits. Returns
+    (phase per cost, overflow): with more phases than `gap` the records are balanced over `gap` phases
+    and overflow is True. Deterministic: ties are broken by position."""
+    order = sorted((i for i in range(len(costs)) if costs[i] > 0), key=lambda i: (-costs[i], i))
+
+    def pack_first_fit() -> list[int]:
+        loads: list[int] = []
+        phase_of = [0] * len(costs)
+        for i in order:
+            phase = next((p for p, load in enumerate(loads) if load + costs[i] <= capacity), len(loads))
+            if phase == len(loads):
+                loads.append(0)
+            loads[phase] += costs[i]
+            phase_of[i] = phase
+        return phase_of
+
+    def pack_balanced(count: int) -> list[int]:
+        loads, phase_of = [0] * count, [0] * len(costs)
+        for i in order:
+            phase = min(range(count), key=lambda p: (loads[p], p))
+            loads[phase] += costs[i]
+            phase_of[i] = phase
+        return phase_of
+
+    def peak(phase_of: list[int]) -> int:
+        loads: dict[int, int] = {}
+        for i, phase in enumerate(phase_of):
+            loads[phase] = loads.get(phase, 0) + costs[i]
+        return max(loads.values(), default=0)
+
+    phase_of = pack_first_fit()
+    count = max(phase_of, default=0) + 1
+    if count > gap:
+        return pack_balanced(gap), True
+    balanced = pack_balanced(count)
+    return (balanced if peak(balanced) <= capacity else phase_of), False
+
+
 def assign_refresh_phases(layers: list["GaLoreLinear"]) -> list[int]:
     """Give each layer its refresh phase (``galore_phase``) under refresh_schedule='staggered'; returns the
     phases in the layers' order (all 0 under 'aligned'), readable also for layers on the meta device.
@@ -803,52 +859,19 @@ def assign_refresh_phases(layers: list["GaLoreLinear"]) -> list[int]:
             layer._phase = 0
         return [0] * len(layers)
     costs = [layer.refresh_record_nbytes() for layer in layers]
-    if config.refresh_budget_mb is not None:
-        budget = int(config.refresh_budget_mb * 2**20)
-    else:
-        budget = max((4 * layer.out_features * layer.in_features for layer in layers if layer.needs_basis), default=0)
-    capacity = max(budget, *costs)
-    order = sorted((i for i in range(len(layers)) if costs[i] > 0), key=lambda i: (-costs[i], i))
-
-    def pack_first_fit() -> list[int]:
-        loads, phase_of = [], [0] * len(layers)
-        for i in order:
-            phase = next((p for p, load in enumerate(loads) if load + costs[i] <= capacity), len(loads))
-            if phase == len(loads):
-                loads.append(0)
-            loads[phase] += costs[i]
-            phase_of[i] = phase
-        return phase_of
-
-    def pack_balanced(count: int) -> list[int]:
-        loads, phase_of = [0] * count, [0] * len(layers)
-        for i in order:
-            phase = min(range(count), key=lambda p: (loads[p], p))
-            loads[phase] += costs[i]
-            phase_of[i] = phase
-        return phase_of
-
-    def peak(phase_of: list[int]) -> int:
+    capacity = refresh_phase_capacity(config, layers, costs)
+    phase_of, overflow = pack_refresh_phases(costs, capacity, config.update_proj_gap)
+    if overflow:
         loads: dict[int, int] = {}
         for i, phase in enumerate(phase_of):
             loads[phase] = loads.get(phase, 0) + costs[i]
-        return max(loads.values(), default=0)
-
-    phase_of = pack_first_fit()
-    count = max(phase_of, default=0) + 1
-    if count > config.update_proj_gap:
-        count = config.update_proj_gap
-        phase_of = pack_balanced(count)
         warnings.warn(
-            f"refresh_schedule='staggered': {len(order)} layers do not fit update_proj_gap={config.update_proj_gap} "
-            f"phases of {capacity / 2**20:.1f} MiB; the largest phase records {peak(phase_of) / 2**20:.1f} MiB. "
-            "Raise refresh_budget_mb or update_proj_gap, or use basis_method='sketch' (smaller records)",
+            f"refresh_schedule='staggered': {sum(c > 0 for c in costs)} layers do not fit "
+            f"update_proj_gap={config.update_proj_gap} phases of {capacity / 2**20:.1f} MiB; the largest phase "
+            f"records {max(loads.values()) / 2**20:.1f} MiB. Raise refresh_budget_mb or update_proj_gap, or use "
+            "basis_method='sketch' (smaller records)",
             stacklevel=2,
         )
-    else:
-        balanced = pack_balanced(count)
-        if peak(balanced) <= capacity:
-            phase_of = balanced
     for layer, phase in zip(layers, phase_of):
         layer.galore_phase.fill_(phase)
         layer._phase = phase
@@ -858,6 +881,15 @@ def assign_refresh_phases(layers: list["GaLoreLinear"]) -> list[int]:
     return phase_of
 
 
-def _relative_rms(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    denom = exact.square().mean().sqrt().clamp_min(1e-30)
-    return float((approx - exact).square().mean().sqrt() / denom)
+def _relative_rms(approx: torch.Tensor, exact: torch.Tensor, chunk: int = 1 << 22) -> float:
+    """rms(approx - exact) / rms(exact), summed over chunks of `chunk` values so that measuring the
+    quantization error of a large weight adds no full-size temporaries to a refresh step."""
+    a, e = approx.reshape(-1), exact.reshape(-1)
+    err = ref = torch.zeros((), dtype=torch.float64, device=e.device)
+    for start in range(0, e.numel(), chunk):
+        ec = e[start : start + chunk].to(torch.float32)
+        ref = ref + ec.square().sum(dtype=torch.float64)
+        err = err + (a[start : start + chunk].to(torch.float32) - ec).square().sum(dtype=torch.float64)
+    if e.numel() == 0:
+        return 0.0
+    return float(err.sqrt() / ref.sqrt().clamp_min(1e-30))

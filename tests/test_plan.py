@@ -71,6 +71,37 @@ def test_scaled_trace_equals_full_trace(method):
         assert getattr(scaled, which).parts == getattr(full, which).parts
 
 
+def test_scaled_trace_equals_full_trace_under_a_staggered_schedule():
+    # The staggered refresh step (one phase's records, taken from the full-depth packing) scales exactly too.
+    config = _llama(64, 176, 6, 512, kv=2)
+    settings = Settings(seq_len=16, batch_size=2, dtype=torch.bfloat16, gradient_checkpointing=True,
+                        device="cuda", rank=16, lora_rank=8,
+                        optim_args={"refresh_schedule": "staggered", "update_proj_gap": 50})  # fmt: skip
+    full, scaled = trace_method(config, "galore_adamw", settings), scaled_trace(config, "galore_adamw", settings)
+    assert full.staggered and scaled.staggered
+    assert scaled.phase_extra_bytes == full.phase_extra_bytes
+    for which in ("normal", "refresh"):
+        assert getattr(scaled, which).peak_bytes == getattr(full, which).peak_bytes
+        assert getattr(scaled, which).parts == getattr(full, which).parts
+
+
+def test_staggered_refresh_plan_holds_one_phase_of_records_not_every_layer():
+    # Oracle: the records themselves. An aligned refresh step holds every targeted layer's fp32 gradient
+    # (16 layers here); a staggered one, with the default budget of one layer's gradient, at most one
+    # phase's records plus that layer's refresh temporaries: a few single-layer gradients, not sixteen.
+    hidden, inter, layers = 64, 176, 8
+    config = _llama(hidden, inter, layers, 512, kv=2)
+    largest = 4 * hidden * inter  # the MLP layers' fp32 gradient: the default phase budget
+    every = layers * 4 * (2 * hidden * hidden + 3 * hidden * inter)  # q, o (k, v are below the rank)
+    base = dict(seq_len=16, batch_size=2, dtype=torch.bfloat16, gradient_checkpointing=True, device="cuda",
+                rank=16, lora_rank=8)  # fmt: skip
+    aligned = scaled_trace(config, "galore_adamw", Settings(**base, optim_args={}))
+    staggered = scaled_trace(config, "galore_adamw", Settings(**base, optim_args={"refresh_schedule": "staggered"}))
+    assert aligned.refresh.peak_bytes - aligned.normal.peak_bytes >= 0.9 * every
+    assert staggered.normal.peak_bytes == aligned.normal.peak_bytes
+    assert 0 < staggered.refresh.peak_bytes - staggered.normal.peak_bytes <= 4 * largest
+
+
 def test_json_schema_and_plot(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(_llama(64, 176, 2, 512).to_json_string())

@@ -1,11 +1,12 @@
 """Trace training steps of a real transformers model under fake tensors and count live bytes.
 
 One trace per method: the model is built from its config inside ``FakeTensorMode`` (no memory is
-allocated, shapes and dtypes are exact), the method's real code prepares it, and three training
-steps run (forward, backward, optimizer step, the method's after-step hook, zero_grad):
-step 0 creates the optimizer state (and is GaLore's calibration step), step 1 is a normal step,
-step 2 a basis refresh (the trace sets the refresh gap to 2; refresh timing does not change what a
-refresh step holds). The peak of live bytes within each step is measured by
+allocated, shapes and dtypes are exact), the method's real code prepares it, and training steps run
+(forward, backward, optimizer step, the method's after-step hook, zero_grad). Methods without a basis
+refresh run two: step 0 creates the optimizer state, step 1 is a normal step. Methods with one run
+four with a refresh gap of 2: step 0 is the first basis (GaLore's calibration), step 1 the first
+step of every factor's state, step 2 a refresh with all state alive, step 3 a normal step (refresh
+timing does not change what a refresh step holds). The peak of live bytes within each step is measured by
 :class:`~hf_galore_plugin.plan.tracker.LiveBytes`; the live set at the peak is split into parts
 by identity: model parameters and buffers (weights; GaLore bases apart), gradients, optimizer
 state, tensors made in the forward and still alive (activations), and the rest (temporaries).
@@ -49,16 +50,22 @@ class MethodTrace:
     trainable_grad_bytes: int = 0  # gradients of every trainable parameter (DDP bucket size)
     largest_layer_param_bytes: int = 0  # one decoder layer's parameters (FSDP/ZeRO-3 gather unit)
     largest_layer_grad_bytes: int = 0
+    # refresh_schedule='staggered': a refresh step refreshes one phase, not every layer. The trace
+    # calibrates every layer at step 0 and refreshes only the phase's largest layer at step 2 (its record
+    # and basis computation traced); the phase's other records (`phase_extra_bytes`, computed from the
+    # full-depth packing of assign_refresh_phases) are added to step 2's peak.
+    staggered: bool = False
+    phase_extra_bytes: int = 0
 
     def step_peak(self, step: int) -> StepPeak:
         return max((run[2] for run in self.steps[step]), key=lambda p: p.peak_bytes)
 
     @property
     def normal(self) -> StepPeak:
-        """A normal step: step 1 (state exists, no refresh); for methods without refresh, the larger of
-        steps 0 and 1 (step 0 creates the state)."""
+        """A normal step: step 3 (every state exists, no refresh); for methods without refresh, the larger
+        of steps 0 and 1 (step 0 creates the state)."""
         if self.has_refresh:
-            return self.step_peak(1)
+            return self.step_peak(3)
         return max((self.step_peak(0), self.step_peak(1)), key=lambda p: p.peak_bytes)
 
     @property
@@ -66,6 +73,13 @@ class MethodTrace:
         """A refresh step: the larger of step 0 (the first basis) and step 2 (a refresh with state)."""
         if not self.has_refresh:
             return self.normal
+        if self.staggered:
+            # Step 0's every-layer calibration is the trace's set-up, not a staggered run's step: there a
+            # step calibrates or refreshes one phase, which is what step 2 holds.
+            peak = self.step_peak(2)
+            parts = dict(peak.parts)
+            parts["other"] += self.phase_extra_bytes
+            return StepPeak(peak.peak_bytes + self.phase_extra_bytes, parts, peak.phase, peak.largest)
         return max((self.step_peak(0), self.step_peak(2)), key=lambda p: p.peak_bytes)
 
     @property
@@ -191,12 +205,37 @@ class Settings:
     rank: int
     lora_rank: int
     optim_args: dict[str, Any]
+    full_layers: int | None = None  # decoder layers of the model planned (a scaled trace runs fewer)
 
 
 OUR_METHODS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 NO_REFRESH = ("adamw_torch", "adamw_8bit", "lora", "qlora")
 BASELINES = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora")
 LR = 1e-4
+
+
+def _kernel_quant_implementation(name: str, tensor: torch.Tensor):
+    """Memory behaviour of the blockwise quantization kernels on a GPU (kernels/quant.py): each
+    allocates its outputs only (codes, block scales and zero points; the dequantized values) and
+    keeps every intermediate in registers, where the torch twins make full-size fp32 and int64
+    temporaries."""
+    from ..quant.functional import code_dtype, packed_numel
+
+    def stats(x, *, scheme, bits, block_size):
+        blocks = -(-x.numel() // block_size)
+        scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
+        return scales, (torch.empty_like(scales) if scheme == "asymmetric" else None)
+
+    def quantize(x, *, scheme, bits, block_size, randoms=None, scales=None, zero_points=None):
+        codes = torch.empty(packed_numel(x.numel(), bits), dtype=code_dtype(scheme, bits), device=x.device)
+        if scales is None:
+            scales, zero_points = stats(x, scheme=scheme, bits=bits, block_size=block_size)
+        return codes, scales, zero_points
+
+    def dequantize(codes, scales, zero_points, *, scheme, bits, block_size, numel, dtype):
+        return torch.empty(numel, dtype=dtype, device=codes.device)
+
+    return {"blockwise_stats": stats, "quantize_blockwise": quantize, "dequantize_blockwise": dequantize}[name]
 
 
 def _fused_adamw8bit_step(param, grad, *state, **kwargs) -> None:
@@ -254,7 +293,80 @@ def _setup(method: str, model: nn.Module, settings: Settings):
     prepare_model(model, config)
     optimizer = create_optimizer(model, config, lr=LR)
     notes.append("traced: hf_galore_plugin layers and AdamW")
-    return optimizer, (lambda: after_step(model, optimizer)), True, notes
+    if config.refresh_schedule != "staggered":
+        return optimizer, (lambda: after_step(model, optimizer)), True, notes
+    user = GaLoreConfig.preset(method, **{"rank": settings.rank, **settings.optim_args})
+    member_layer, member, extra = _staggered_trace_phases(model, user, settings.full_layers)
+    notes.append(
+        f"staggered: a refresh step holds one phase's records ({(member + extra) / 2**20:.1f} MiB at most, "
+        f"update_proj_gap={user.update_proj_gap}); its largest layer's refresh is traced, the other records added"
+    )
+    calls = [0]
+
+    def after() -> None:
+        after_step(model, optimizer)
+        calls[0] += 1
+        if calls[0] == 1:  # after step 0 (every layer calibrated): only the traced member refreshes at step 2
+            _restage(model, member_layer)
+
+    after.phase_extra_bytes = extra  # type: ignore[attr-defined]
+    return optimizer, after, True, notes
+
+
+def _galore_layers(model: nn.Module) -> list[tuple[int, Any]]:
+    """(decoder layer index or -1, layer) of every GaLoreLinear, in module order."""
+    from ..layers import GaLoreLinear
+
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, GaLoreLinear):
+            parts = f".{name}.".split(".layers.")
+            index = int(parts[1].split(".")[0]) if len(parts) > 1 and parts[1].split(".")[0].isdigit() else -1
+            out.append((index, module))
+    return out
+
+
+def _staggered_trace_phases(model: nn.Module, user_config, full_layers: int | None) -> tuple[Any, int, int]:
+    """Set every layer's phase to 0 (all calibrate at step 0) and pick the traced member: the largest
+    record of decoder layer 0. Returns (that record's bytes, the rest of the heaviest phase's records) of
+    the full-depth packing under the user's update_proj_gap and budget (identical decoder layers), after
+    the member itself."""
+    from ..layers import pack_refresh_phases, refresh_phase_capacity
+
+    layers = _galore_layers(model)
+    for _, layer in layers:
+        layer.galore_phase.fill_(0)
+        layer._phase = 0
+        layer._refresh_due_cache = layer.needs_basis
+    traced_layers = max((i for i, _ in layers), default=-1) + 1
+    depth = full_layers or traced_layers
+    outside = [layer for i, layer in layers if i < 0]
+    first = [layer for i, layer in layers if i == 0]
+    full = outside + first * depth
+    costs = [layer.refresh_record_nbytes() for layer in full]
+    if not costs or not first:
+        return None, 0, 0
+    capacity = refresh_phase_capacity(user_config, full, costs)
+    phase_of, _ = pack_refresh_phases(costs, capacity, user_config.update_proj_gap)
+    loads: dict[int, int] = {}
+    for cost, phase in zip(costs, phase_of):
+        loads[phase] = loads.get(phase, 0) + cost
+    heaviest = max(loads.values())
+    member_layer = max(first, key=lambda layer: layer.refresh_record_nbytes())
+    member = member_layer.refresh_record_nbytes()
+    return member_layer, member, max(heaviest - member, 0)
+
+
+def _restage(model: nn.Module, member) -> None:
+    """Phases for steps 1-3 of the trace (gap 2): the member at phase 0 (due at step 2), every other
+    layer at phase 1 with a gap beyond the trace (never due again)."""
+    for _, layer in _galore_layers(model):
+        phase = 0 if layer is member else 1
+        layer.galore_phase.fill_(phase)
+        layer._phase = phase
+        if layer is not member:
+            layer.galore_gap.fill_(1 << 20)
+        layer._refresh_due_cache = None
 
 
 @contextlib.contextmanager
@@ -271,13 +383,18 @@ def _device_semantics(device: str):
     dynamic_code_book(signed=False)
     old_env = os.environ.get("HF_GALORE_DISABLE_TRITON")
     os.environ["HF_GALORE_DISABLE_TRITON"] = "1"  # fake tensors cannot enter a Triton kernel
+    from ..quant import ops as quant_ops
+
     old_step = functional.adamw8bit_step
+    old_quant = quant_ops._implementation
     if device == "cuda":
         functional.adamw8bit_step = _fused_adamw8bit_step
+        quant_ops._implementation = _kernel_quant_implementation
     try:
         yield
     finally:
         functional.adamw8bit_step = old_step
+        quant_ops._implementation = old_quant
         if old_env is None:
             os.environ.pop("HF_GALORE_DISABLE_TRITON", None)
         else:
@@ -380,7 +497,7 @@ class _Roles:
 
 
 def trace_method(config, method: str, settings: Settings, *, fake: bool = True) -> MethodTrace:
-    """Trace steps 0-2 of `method` on the model of `config`; see the module docstring.
+    """Trace steps 0-1 (0-3 with a basis refresh) of `method` on the model of `config`; see the module docstring.
 
     fake=False runs the same steps on real tensors (a real CPU run measured by the same
     accounting: what the planner is validated against).
@@ -400,7 +517,7 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
         optimizer, after, traced, notes = _setup(method, model, settings)
         ids = torch.randint(0, config.vocab_size, (settings.batch_size, settings.seq_len))
         # Methods without a basis refresh need steps 0 (state created) and 1 (normal) only.
-        for _ in range(2 if method in NO_REFRESH else 3):
+        for _ in range(2 if method in NO_REFRESH else 4):
             roles.collect(model, optimizer)
             tracker.runs = []
 
@@ -433,7 +550,11 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
         layer_grads = max(
             (sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in layers), default=0
         )
-    return MethodTrace(method, traced, steps, notes, trainable_grad, layer_params, layer_grads)
+    extra = getattr(after, "phase_extra_bytes", None)
+    return MethodTrace(
+        method, traced, steps, notes, trainable_grad, layer_params, layer_grads,
+        staggered=extra is not None, phase_extra_bytes=extra or 0,
+    )  # fmt: skip
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -480,7 +601,10 @@ def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 
     layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(layers, int) or layers <= base_layers + 1:
         return trace_method(config, method, settings)
-    small = [trace_method(_with_layers(config, n), method, settings) for n in (base_layers, base_layers + 1)]
+    import dataclasses
+
+    at_depth = dataclasses.replace(settings, full_layers=layers)
+    small = [trace_method(_with_layers(config, n), method, at_depth) for n in (base_layers, base_layers + 1)]
     extra = layers - base_layers - 1
     steps = []
     for a_runs, b_runs in zip(small[0].steps, small[1].steps):
@@ -506,6 +630,7 @@ def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 
     return MethodTrace(
         method, b.traced, steps, notes, _affine(a.trainable_grad_bytes, b.trainable_grad_bytes, extra),
         b.largest_layer_param_bytes, b.largest_layer_grad_bytes,
+        staggered=b.staggered, phase_extra_bytes=b.phase_extra_bytes,
     )  # fmt: skip
 
 
