@@ -743,7 +743,9 @@ def test_8bit_cpp_packed_lookup_equals_searchsorted_around_every_midpoint():
         _, midpoints = dynamic_code_book(signed=signed)
         near = torch.cat([(midpoints.view(torch.int32) + d).view(torch.float32) for d in range(-4, 5)])
         special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.5, -3.0, 1e-30, -1e-30, 1e-45, -1e-45, 2.0**-32, -(2.0**-32)])
-        values = torch.cat([near, -near, special, torch.randn(1 << 16, generator=g) * torch.rand(1 << 16, generator=g) ** 8])
+        values = torch.cat(
+            [near, -near, special, torch.randn(1 << 16, generator=g) * torch.rand(1 << 16, generator=g) ** 8]
+        )
         bits = values.view(torch.int32).long()
         key = ((bits & 0x7FFFFFFF) >> LOOKUP_SHIFT) - LOOKUP_BASE
         key = key.clamp(0, LOOKUP_BUCKETS - 1) + torch.where(bits < 0, LOOKUP_BUCKETS, 0)
