@@ -728,3 +728,61 @@ def test_8bit_step_under_fake_tensors_never_builds_and_keeps_the_fast_path(monke
         assert param.shape == (n,)
     assert tracker.peak > 0  # the eager step's temporaries were seen by the tracker
     assert adamw8bit._cpp_failure is None and adamw8bit._compile_failure is None
+
+
+def test_8bit_cpp_packed_lookup_equals_searchsorted_around_every_midpoint():
+    # The C++ step's one-read code lookup (first | threshold << 8, compared on y's low bits) must give
+    # #(midpoints < y) exactly: oracle torch.searchsorted, at and around every midpoint of both books,
+    # both signs, zeros, tiny values, +-1 and values beyond the book.
+    from hf_galore_plugin.kernels.adamw8bit import (
+        LOOKUP_BASE, LOOKUP_BUCKETS, LOOKUP_SHIFT, _packed_lookup_table, dynamic_code_book,
+    )  # fmt: skip
+
+    g = torch.Generator().manual_seed(5)
+    for signed in (True, False):
+        _, midpoints = dynamic_code_book(signed=signed)
+        near = torch.cat([(midpoints.view(torch.int32) + d).view(torch.float32) for d in range(-4, 5)])
+        special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.5, -3.0, 1e-30, -1e-30, 1e-45, -1e-45, 2.0**-32, -(2.0**-32)])
+        values = torch.cat(
+            [near, -near, special, torch.randn(1 << 16, generator=g) * torch.rand(1 << 16, generator=g) ** 8]
+        )
+        bits = values.view(torch.int32).long()
+        key = ((bits & 0x7FFFFFFF) >> LOOKUP_SHIFT) - LOOKUP_BASE
+        key = key.clamp(0, LOOKUP_BUCKETS - 1) + torch.where(bits < 0, LOOKUP_BUCKETS, 0)
+        entry = _packed_lookup_table(signed).long()[key]
+        low = (1 << LOOKUP_SHIFT) - 1
+        z = (bits & low) ^ torch.where(bits < 0, low, 0)
+        index = (entry & 0xFF) + (z > (entry >> 8)).long()
+        assert torch.equal(index, torch.searchsorted(midpoints, values))
+
+
+def _cpp_vs_eager(n, block_size, error_feedback, steps=3):
+    from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step_torch
+
+    g = torch.Generator().manual_seed(n + block_size)
+    start = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4 for _ in range(steps)]
+    grads[1][::7] = 0.0  # zero gradients: second moments decay towards the map's zero code
+    runs = []
+    for backend in ("eager", "cpp"):
+        param, state = start.clone(), _eight_bit_state(n, error_feedback, block=block_size)
+        for step, grad in enumerate(grads, 1):
+            adamw8bit_step_torch(
+                param, grad, *state, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                block_size=block_size, backend=backend,
+            )  # fmt: skip
+        runs.append([param, *state])
+    for eager, cpp in zip(*runs):
+        assert eager is None and cpp is None or torch.equal(cpp, eager)
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize(
+    "n, block_size",
+    [(1, 256), (7, 256), (9, 256), (263, 256), (5003, 100), (4099, 64), (3001, 2048), (300_007, 256)],
+)
+def test_8bit_cpp_step_bit_identical_to_eager_on_tails_block_sizes_and_threads(n, block_size, error_feedback):
+    # The C++ step vectorizes 8 values at a time and finishes each block's last w % 8 values in scalar
+    # code; blocks of 100 and tensor tails of 1..7 values run both paths, block sizes 64..2048 change
+    # the per-block buffers, and 300_007 values (more than one thread's minimum share) run in parallel.
+    _cpp_vs_eager(n, block_size, error_feedback)

@@ -324,6 +324,28 @@ _cpp_failure: str | None = None
 _CPP_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw8bit_cpu.cpp")
 
 
+@functools.lru_cache(maxsize=None)
+def _packed_lookup_table(signed: bool) -> torch.Tensor:
+    """int32 [2 * LOOKUP_BUCKETS] for the C++ step: first | threshold << 8 per bucket, where first is
+    `code_lookup_table`'s entry and `midpoints[first] < y` equals z(y) > threshold, z(y) being the low
+    LOOKUP_SHIFT bits of y's pattern, complemented for negative y. This holds because a bucket holds
+    at most one midpoint, and one inside y's bucket shares every higher bit with y; where the bucket
+    holds none, midpoints[first] is above every y of it and threshold = 2**LOOKUP_SHIFT - 1 is never
+    exceeded. One table read per value instead of two dependent ones."""
+    table, padded = code_lookup_table(signed=signed)
+    first = table.long()
+    mid = padded[first]
+    bits = mid.view(torch.int32).long()
+    key = ((bits & 0x7FFFFFFF) >> LOOKUP_SHIFT) - LOOKUP_BASE
+    key = key.clamp(0, LOOKUP_BUCKETS - 1) + torch.where(bits < 0, LOOKUP_BUCKETS, 0)
+    low_mask = (1 << LOOKUP_SHIFT) - 1
+    negative = torch.arange(2 * LOOKUP_BUCKETS) >= LOOKUP_BUCKETS
+    inside = torch.isfinite(mid) & (key == torch.arange(2 * LOOKUP_BUCKETS))
+    low = bits & low_mask
+    threshold = torch.where(inside, torch.where(negative, low ^ low_mask, low), low_mask)
+    return (first | (threshold << 8)).to(torch.int32)
+
+
 def _cpp_applies(param: torch.Tensor, grad: torch.Tensor) -> bool:
     return (
         param.device.type == "cpu"
@@ -468,7 +490,8 @@ def adamw8bit_step_torch(
     if backend == "cpp":
         if not _cpp_applies(param, grad):
             raise ValueError("adamw8bit_step_torch: backend='cpp' needs fp32 contiguous CPU param and grad")
-        if _run_cpp(*flat, scalars, *books, block_size):
+        cpp_books = (books[0], _packed_lookup_table(True), books[3], _packed_lookup_table(False))
+        if _run_cpp(*flat, scalars, *cpp_books, block_size):
             return
         backend = "inductor"
     full = n // block_size
