@@ -361,8 +361,7 @@ def train_one(method: str, scale: Scale, data: dict[str, Any], args: argparse.Na
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(make_progress(method))
     print(
-        f"{method}: lr {LEARNING_RATES[method]:g} ({LEARNING_RATE_SOURCE})"
-        + (f", {optim_args}" if optim_args else ""),
+        f"{method}: lr {LEARNING_RATES[method]:g} ({LEARNING_RATE_SOURCE})" + (f", {optim_args}" if optim_args else ""),
         flush=True,
     )
     with PeakMemorySampler(args.device) as memory:

@@ -82,7 +82,9 @@ def test_demo_trains_every_method_and_writes_its_report(tmp_path):
         f"Reading the table: {best['method']} reached the lowest held-out loss, {best['heldout_loss']:.3f}"
     ), reading
     others = [row for row in rows.values() if row is not best]
-    assert f"{others[0]['heldout_loss'] - best['heldout_loss']:.3f} below the next best, {others[0]['method']}" in reading
+    assert (
+        f"{others[0]['heldout_loss'] - best['heldout_loss']:.3f} below the next best, {others[0]['method']}" in reading
+    )
 
 
 def test_memory_benchmark_quick(tmp_path):

@@ -36,8 +36,10 @@ import time
 import weakref
 from typing import Any, Optional
 
-from tqdm.auto import tqdm
 from transformers import TrainerCallback
+
+# transformers' tqdm (tqdm is its dependency, not ours), which honours its disable_progress_bar() switch.
+from transformers.utils.logging import tqdm
 
 from ..api import after_step, galore_layers, galore_stats
 
