@@ -36,6 +36,7 @@ import time
 import weakref
 from typing import Any, Optional
 
+import torch
 from transformers import TrainerCallback
 
 # transformers' tqdm (tqdm is its dependency, not ours), which honours its disable_progress_bar() switch.
@@ -265,9 +266,11 @@ class GaLoreCallback(TrainerCallback):
             dynamic_ncols=True,
             disable=args.disable_tqdm or not state.is_world_process_zero,
         )
+        _wait_for_device(prepared)
         started = _clock()
         try:
             event = after_step(prepared, step_optimizer, root=model, progress=lambda name: bar.update(1))
+            _wait_for_device(prepared)
         finally:
             bar.close()
         seconds = _clock() - started
@@ -351,3 +354,11 @@ def _brief_on_log(original: Any, owner: GaLoreCallback, args, state, control, lo
     """A console callback's ``on_log`` that receives ``owner.console_logs(logs)``, a copy: the callbacks
     after it (a reporting integration added later, the user's own) still get the full dict."""
     return original(args, state, control, logs=owner.console_logs(logs) if logs is not None else logs, **kwargs)
+
+
+def _wait_for_device(model: Any) -> None:
+    """On a GPU the step's and the refresh's kernels run asynchronously: wait for them, so that a refresh's
+    duration is its own (one synchronization before and one after, on refresh steps only)."""
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type == "cuda":
+        torch.cuda.synchronize(param.device)
