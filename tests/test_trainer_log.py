@@ -115,6 +115,32 @@ def test_console_shows_brief_keys_while_integrations_get_every_key(
             assert float(line[f"{PREFIX}refreshed_layers"]) == entry[f"{PREFIX}refreshed_layers"] > 0
 
 
+def test_an_explicit_callback_reaches_the_integrations_too(tmp_path, monkeypatch, capsys):
+    # Trainer(callbacks=[GaLoreCallback()]) puts the user's callback after the reporting integrations.
+    monkeypatch.setattr(transformers.trainer, "get_reporting_integration_callbacks", lambda report_to: [Recorder])
+    model = hf_galore_plugin.prepare_model(build_tiny_llama(), GaLoreConfig(rank=8, update_proj_gap=2))
+    optimizer = hf_galore_plugin.create_optimizer(model, lr=1e-3)
+    args = training_args(tmp_path, None, optim="adamw_torch", max_steps=4, logging_steps=2)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=token_data(),
+        callbacks=[galore_callback.GaLoreCallback()],
+        optimizers=(optimizer, None),
+    )
+    integration = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, Recorder))
+    trainer.train()
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    received = [logs for logs in integration.logged if "loss" in logs]
+    assert len(received) == len(history) == 2
+    for logs, entry in zip(received, history):
+        assert plugin_keys(logs) == plugin_keys(entry) and len(plugin_keys(logs)) >= 10
+    printed = console_lines(capsys.readouterr().out)
+    assert len(printed) == 2
+    for line in printed:  # the first window holds only the calibration: no similarity to a previous basis
+        assert f"{PREFIX}refreshed_layers" in line and plugin_keys(line) <= set(galore_callback.BRIEF_LOG_KEYS)
+
+
 def test_log_keys_is_validated():
     with pytest.raises(ValueError, match=r"log_keys='verbose'.*choose one of \['brief', 'full'\]"):
         GaLoreConfig(log_keys="verbose")

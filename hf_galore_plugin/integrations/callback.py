@@ -129,8 +129,16 @@ class GaLoreCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ helpers
     def bind_trainer(self, trainer: Any) -> None:
-        """Remember (weakly) the Trainer this callback drives: under DeepSpeed it owns the engine."""
+        """Remember (weakly) the Trainer this callback drives: under DeepSpeed it owns the engine.
+
+        The callback moves to the front of the Trainer's callbacks, where the integration attaches its
+        own: ``Trainer(callbacks=[...])`` appends user callbacks after the reporting integrations, which
+        would otherwise never see the ``galore/*`` keys this callback adds in ``on_log``."""
         self._trainer = weakref.ref(trainer)
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks and callbacks[0] is not self:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
 
     def _deepspeed_engine(self, optimizer: Any) -> Any:
         trainer = self._trainer() if self._trainer is not None else None
