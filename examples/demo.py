@@ -11,6 +11,8 @@ Every method trains with ``transformers.Trainer``: the plugin's optimizers are p
 ``import hf_galore_plugin``, which attaches its GaLoreCallback automatically. All runs share the seed,
 so they start from the same weights and see the batches in the same order.
 
+The console shows one progress bar per method (the latest training loss in it), then the results table
+and a paragraph reading it: which method reached the lowest held-out loss, by how much, at what memory.
 Written to --out (default outputs/demo): results.md, results.json, loss_curves.png, memory.png.
 """
 
@@ -292,9 +294,36 @@ def make_probe():
     return Probe()
 
 
+def make_progress(method: str):
+    from transformers.trainer_callback import ProgressCallback
+
+    class MethodProgress(ProgressCallback):
+        """The Trainer's progress bar, named after the method, with the latest training loss in it instead
+        of a printed log line per logging step; the held-out evaluation after training gets no bar of its
+        own, so each method shows exactly one."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            super().on_train_begin(args, state, control, **kwargs)
+            if self.training_bar is not None:
+                self.training_bar.set_description(method)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if self.training_bar is not None and logs and "loss" in logs:
+                self.training_bar.set_postfix(loss=f"{logs['loss']:.3f}", refresh=False)
+
+        def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+            pass
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            pass
+
+    return MethodProgress()
+
+
 # ---------------------------------------------------------------------- one run
 def train_one(method: str, scale: Scale, data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     from transformers import Trainer, TrainingArguments
+    from transformers.trainer_callback import ProgressCallback
 
     model = build_model(scale, data["vocab_size"], args.seed)
     optim, optim_args = method, None
@@ -329,9 +358,10 @@ def train_one(method: str, scale: Scale, data: dict[str, Any], args: argparse.Na
     )
     probe = make_probe()
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], callbacks=[probe])
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(make_progress(method))
     print(
-        f"\n=== {method}: lr {LEARNING_RATES[method]:g} ({LEARNING_RATE_SOURCE})"
-        + (f", {optim_args}" if optim_args else ""),
+        f"{method}: lr {LEARNING_RATES[method]:g} ({LEARNING_RATE_SOURCE})" + (f", {optim_args}" if optim_args else ""),
         flush=True,
     )
     with PeakMemorySampler(args.device) as memory:
@@ -389,6 +419,53 @@ def results_table(results: list[dict[str, Any]]) -> str:
             f"| {r['steps_per_second']:.2f} | {ratio_speed} |"
         )
     return "\n".join(rows)
+
+
+def plain_reading(results: list[dict[str, Any]], steps: int) -> str:
+    """One paragraph saying in words what the table shows, computed from its numbers."""
+    by_loss = sorted(results, key=lambda r: r["heldout_loss"])
+    best = by_loss[0]
+    reference = next((r for r in results if r["method"] == "adamw_torch"), None)
+
+    def versus_adamw(r: dict[str, Any]) -> str:
+        if reference is None or r is reference:
+            return ""
+        return f", {r['state_bytes_total'] / reference['state_bytes_total']:.0%} of AdamW's {mb(reference['state_bytes_total'])} MB"
+
+    text = (
+        f"Reading the table: {best['method']} reached the lowest held-out loss, {best['heldout_loss']:.3f} "
+        f"(perplexity {best['heldout_perplexity']:.1f})"
+    )
+    if len(by_loss) > 1:
+        runner = by_loss[1]
+        text += (
+            f", {runner['heldout_loss'] - best['heldout_loss']:.3f} below the next best, {runner['method']} "
+            f"({runner['heldout_loss']:.3f})"
+        )
+    if reference is not None and reference is not best and reference is not by_loss[1]:
+        text += f", and {reference['heldout_loss'] - best['heldout_loss']:.3f} below AdamW ({reference['heldout_loss']:.3f})"
+    text += f", while holding {mb(best['state_bytes_total'])} MB of training state{versus_adamw(best)}."
+    smallest = min(results, key=lambda r: r["state_bytes_total"])
+    if len(results) > 1 and smallest is best:
+        text += " It also held the smallest training state of all methods."
+    elif len(results) > 1:
+        text += (
+            f" The smallest training state was {smallest['method']}'s, {mb(smallest['state_bytes_total'])} MB"
+            f"{versus_adamw(smallest)}, at a held-out loss {smallest['heldout_loss'] - best['heldout_loss']:.3f} "
+            "higher."
+        )
+    fastest = max(results, key=lambda r: r["steps_per_second"])
+    if len(results) > 1:
+        text += (
+            f" {fastest['method']} ran fastest ({fastest['steps_per_second']:.2f} steps/s"
+            + ("" if fastest is best else f"; {best['method']} {best['steps_per_second']:.2f}")
+            + ")."
+        )
+    text += (
+        f" These are {steps} steps of one seed on a tiny model: BENCHMARKS.md compares the methods over "
+        "several seeds and learning rates."
+    )
+    return text
 
 
 def plot(results: list[dict[str, Any]], out: pathlib.Path) -> list[pathlib.Path]:
@@ -498,19 +575,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         "- final train loss: mean logged training loss over the last 10% of steps; held-out loss: the first "
         f"{len(data['heldout'])} blocks of a play never trained on (The Tempest)."
     )
-    (args.out / "results.md").write_text(f"# Demo results\n\n{table}\n\n{notes}\n")
+    reading = plain_reading(results, scale.steps)
+    (args.out / "results.md").write_text(f"# Demo results\n\n{table}\n\n{notes}\n\n{reading}\n")
     summary = {
         "scale": dataclasses.asdict(scale),
         "seed": args.seed,
         "device": str(args.device),
         "wall_seconds": seconds,
         "results": results,
+        "reading": reading,
     }
     (args.out / "results.json").write_text(json.dumps(summary, indent=2))
     pictures = plot(results, args.out)
     print("\n" + table + "\n\n" + notes + "\n")
     for path in [args.out / "results.md", args.out / "results.json", *pictures]:
         print(f"wrote {path}")
+    print("\n" + reading)
     return 0
 
 

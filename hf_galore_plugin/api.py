@@ -14,7 +14,7 @@ model = merge_and_unload(model)    # plain nn.Linear layers, merged weights
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -263,12 +263,18 @@ def create_optimizer(
 
 
 def after_step(
-    model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, root: Optional[nn.Module] = None
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    root: Optional[nn.Module] = None,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> dict[str, Any]:
     """Call once after every ``optimizer.step()``: counts the step and refreshes bases that are due.
 
     Under FSDP1 pass the wrapped model (or `model` and its wrapper as `root`): a refresh gathers the
-    layers' FSDP units, one at a time. Returns ``{"refreshed": [layer names], "similarity": mean similarity or None}``.
+    layers' FSDP units, one at a time. `progress`, if given, is called with each due layer's name once
+    that layer is done (a progress bar over a long refresh).
+    Returns ``{"refreshed": [layer names], "similarity": mean similarity or None}``.
     """
     layers = list(iter_galore_layers(model))
     for _, layer in layers:
@@ -284,6 +290,8 @@ def after_step(
                 with summon_unit(unit, writeback=True):
                     for name, layer in members:
                         stepped[name] = (True, layer.after_optimizer_step(optimizer))
+                        if progress is not None:
+                            progress(name)
     refreshed, similarities = [], []
     for name, layer in layers:
         if name in stepped:
@@ -291,6 +299,8 @@ def after_step(
         else:
             due = layer.refresh_due
             similarity = layer.after_optimizer_step(optimizer)
+            if due and progress is not None:
+                progress(name)
         if due and similarity is not None:
             refreshed.append(name)
             if not math.isnan(similarity):

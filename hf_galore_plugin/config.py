@@ -19,6 +19,7 @@ PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 BASIS_METHODS = ("svd", "randomized", "sketch")
 MOMENT_HANDLING = ("keep", "project", "reset")
 REFRESH_SCHEDULES = ("aligned", "staggered")
+LOG_KEYS = ("brief", "full")
 WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
 _OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size")
@@ -138,6 +139,13 @@ class GaLoreConfig:
         "Fraction of training over which the GaLore groups' lr scale recovers linearly to 1.0 (0: never).",
         default=0.0,
     )
+    log_keys: str = _help(
+        "Which galore/* keys the Trainer's console log lines (progress bar, printer) show: 'brief' (layers "
+        "refreshed since the last log line, their mean subspace similarity, seconds spent refreshing) or "
+        "'full' (every key). Reporting integrations (TensorBoard, W&B, ...) and state.log_history always get "
+        "every key.",
+        default="brief",
+    )
     seed: int = _help("Seed of the random projections and of stochastic rounding.", default=0)
 
     def __post_init__(self) -> None:
@@ -187,6 +195,7 @@ class GaLoreConfig:
             ("moment_handling", MOMENT_HANDLING),
             ("weight_storage", WEIGHT_STORAGE),
             ("basis_storage", BASIS_STORAGE),
+            ("log_keys", LOG_KEYS),
         ):
             if getattr(self, name) not in allowed:
                 raise bad(name, f"choose one of {list(allowed)}")

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-def _run(script: str, *args: str, timeout: int = 300) -> str:
+def _run(script: str, *args: str, timeout: int = 300, stderr: Optional[list] = None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", MPLBACKEND="Agg")
     proc = subprocess.run(
@@ -31,11 +32,14 @@ def _run(script: str, *args: str, timeout: int = 300) -> str:
         timeout=timeout,
     )
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if stderr is not None:
+        stderr.append(proc.stderr)
     return proc.stdout
 
 
 def test_demo_trains_every_method_and_writes_its_report(tmp_path):
     methods = ["adamw_torch", "qgalore_adamw_8bit"]
+    stderr: list[str] = []
     # A 2-layer, hidden-64 Llama on 6 steps of 4 x 32 tokens; update_proj_gap = steps // 5 = 1, so the
     # Q-GaLore run also goes through basis refreshes.
     stdout = _run(
@@ -43,6 +47,7 @@ def test_demo_trains_every_method_and_writes_its_report(tmp_path):
         *("--steps", "6", "--methods", ",".join(methods), "--out", str(tmp_path)),
         *("--hidden", "64", "--layers", "2", "--heads", "2", "--intermediate", "176"),
         *("--seq-len", "32", "--batch-size", "4", "--vocab-size", "300", "--eval-blocks", "8"),
+        stderr=stderr,
     )
     for name in ("results.md", "results.json", "loss_curves.png", "memory.png"):
         assert (tmp_path / name).stat().st_size > 0, name
@@ -64,6 +69,22 @@ def test_demo_trains_every_method_and_writes_its_report(tmp_path):
     assert adamw["state_bytes"]["grads"] == 4 * params and adamw["state_bytes"]["optimizer_state"] >= 8 * params
     assert qgalore["state_bytes_total"] < adamw["state_bytes_total"]
     assert qgalore["state_bytes"]["bases"] > 0 and qgalore["galore_refreshes"] > 0
+
+    # The console: one progress bar per method (on stderr, named after it), no printed log line per step,
+    # and a closing paragraph that names the table's best method with its held-out loss.
+    assert "{'loss'" not in stdout and "'galore/" not in stdout
+    for method in methods:
+        assert f"{method}: 100%|" in stderr[0], stderr[0][-2000:]
+    best = min(rows.values(), key=lambda row: row["heldout_loss"])
+    reading = stdout.rstrip().splitlines()[-1]
+    assert reading == summary["reading"] and reading in (tmp_path / "results.md").read_text()
+    assert reading.startswith(
+        f"Reading the table: {best['method']} reached the lowest held-out loss, {best['heldout_loss']:.3f}"
+    ), reading
+    others = [row for row in rows.values() if row is not best]
+    assert (
+        f"{others[0]['heldout_loss'] - best['heldout_loss']:.3f} below the next best, {others[0]['method']}" in reading
+    )
 
 
 def test_memory_benchmark_quick(tmp_path):

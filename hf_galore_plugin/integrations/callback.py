@@ -19,16 +19,28 @@ Trainer's ``optimizer.step()`` is a no-op there), so ``on_step_end`` still comes
 :class:`~hf_galore_plugin.integrations.distributed.DeepSpeedGaLoreOptimizer` (the engine keeps an
 fp32 master of every factor, and ZeRO-3 partitions the layers), which needs the Trainer's engine:
 the integration binds every ``GaLoreCallback`` to its Trainer when the Trainer is constructed.
+
+Logging: ``Trainer.log`` hands one ``logs`` dict to every callback in the handler's order, and the
+Trainer appends the console callback (``ProgressCallback`` / ``PrinterCallback``) last. This callback
+runs first and adds every ``galore/*`` key, so reporting integrations (TensorBoard, W&B, ...) and
+``state.log_history`` get the full set for their plots; the console callbacks of the bound Trainer
+receive a copy reduced to :data:`BRIEF_LOG_KEYS` unless ``GaLoreConfig.log_keys == "full"``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 import weakref
 from typing import Any, Optional
 
+import torch
 from transformers import TrainerCallback
+
+# transformers' tqdm (tqdm is its dependency, not ours), which honours its disable_progress_bar() switch.
+from transformers.utils.logging import tqdm
 
 from ..api import after_step, galore_layers, galore_stats
 
@@ -40,6 +52,25 @@ __all__ = ["GaLoreCallback", "GALORE_STATE_NAME", "unwrap_optimizer", "galore_mo
 
 GALORE_STATE_NAME = "galore_state.pt"
 LOG_PREFIX = "galore/"
+# What a user watching the console needs from each log line (at most 4 keys; the rest are constant
+# or slow-moving numbers that belong in plots):
+# - refreshed_layers: whether bases were refreshed since the last line (a refresh step is slower, and
+#   a run with 0 for ever never leaves its first subspace);
+# - refresh_similarity: whether the subspace still moves (near 1: the bases agree and a longer gap or
+#   lazy_refresh would save time; near 0: every refresh lands in a new subspace, Zhao et al. 2024 Sec. 4);
+# - refresh_seconds: what the refreshes cost in wall time (SVDs of every layer on one step).
+# The last two appear only on lines whose window had a refresh.
+BRIEF_LOG_KEYS = (
+    f"{LOG_PREFIX}refreshed_layers",
+    f"{LOG_PREFIX}refresh_similarity",
+    f"{LOG_PREFIX}refresh_seconds",
+)
+# A refresh that runs longer than this shows a progress bar over its layers (tqdm's ``delay``: a
+# shorter refresh prints nothing).
+REFRESH_PROGRESS_DELAY_S = 2.0
+# Console callbacks of transformers, by class name: NotebookProgressCallback's module imports IPython.
+_CONSOLE_CALLBACKS = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")
+_clock = time.perf_counter
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -77,7 +108,11 @@ class GaLoreCallback(TrainerCallback):
     - ``on_step_end``: :func:`hf_galore_plugin.after_step` (per-layer step counters, refreshes);
     - learning-rate scale of the GaLore groups (``lr_scale``, recovering linearly to 1.0 over
       ``lr_recovery_fraction`` of ``max_steps``);
-    - ``on_log``: refresh events, subspace similarity, gaps, state bytes, quantization error;
+    - a progress bar over the layers of a refresh that takes longer than ``REFRESH_PROGRESS_DELAY_S``
+      (main process only, off with ``disable_tqdm``), and each refresh's duration in the log;
+    - ``on_log``: refresh events, subspace similarity, refresh time, gaps, state bytes, quantization
+      error (every key for integrations; :data:`BRIEF_LOG_KEYS` on the console unless
+      ``log_keys="full"``);
     - ``on_save``: ``galore_state.pt`` (``galore_state_dict``) in the checkpoint folder; the
       integration restores it after the Trainer loads a checkpoint's weights (DeepSpeed: after the
       engine loaded its own checkpoint).
@@ -90,11 +125,20 @@ class GaLoreCallback(TrainerCallback):
         self._engine_optimizer: Any = None  # DeepSpeedGaLoreOptimizer while training under DeepSpeed
         self._refreshes_since_log: list[str] = []
         self._similarities_since_log: list[float] = []
+        self._refresh_seconds_since_log: list[float] = []
 
     # ------------------------------------------------------------------ helpers
     def bind_trainer(self, trainer: Any) -> None:
-        """Remember (weakly) the Trainer this callback drives: under DeepSpeed it owns the engine."""
+        """Remember (weakly) the Trainer this callback drives: under DeepSpeed it owns the engine.
+
+        The callback moves to the front of the Trainer's callbacks, where the integration attaches its
+        own: ``Trainer(callbacks=[...])`` appends user callbacks after the reporting integrations, which
+        would otherwise never see the ``galore/*`` keys this callback adds in ``on_log``."""
         self._trainer = weakref.ref(trainer)
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks and callbacks[0] is not self:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
 
     def _deepspeed_engine(self, optimizer: Any) -> Any:
         trainer = self._trainer() if self._trainer is not None else None
@@ -167,8 +211,32 @@ class GaLoreCallback(TrainerCallback):
         inner._galore_lr_hooks_installed = self
 
     # ------------------------------------------------------------------ events
+    def _brief_console(self) -> None:
+        """Give the bound Trainer's console callbacks a copy of each ``logs`` dict without the plugin keys
+        outside :data:`BRIEF_LOG_KEYS` (the config is read per call: ``log_keys="full"`` passes it whole).
+
+        The override is an instance attribute (the handler calls ``getattr(callback, "on_log")``), so the
+        callbacks keep their class for ``trainer.remove_callback(ProgressCallback)``."""
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None:
+            return
+        for callback in trainer.callback_handler.callbacks:
+            names = {cls.__name__ for cls in type(callback).__mro__}
+            if names.isdisjoint(_CONSOLE_CALLBACKS) or getattr(callback.on_log, "_galore_brief", False):
+                continue
+            callback.on_log = functools.partial(_brief_on_log, callback.on_log, self)
+            callback.on_log._galore_brief = True
+
+    def console_logs(self, logs: dict[str, Any]) -> dict[str, Any]:
+        """What the console shows of `logs`: every key with ``log_keys="full"``, else the non-plugin keys
+        and :data:`BRIEF_LOG_KEYS`."""
+        if self.config is not None and self.config.log_keys == "full":
+            return logs
+        return {key: value for key, value in logs.items() if not key.startswith(LOG_PREFIX) or key in BRIEF_LOG_KEYS}
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._config(model)
+        self._brief_console()
         self.lr_multiplier = self.multiplier_at(state.global_step, state.max_steps)
         if optimizer is not None:
             self._install_lr_hooks(optimizer)
@@ -193,15 +261,37 @@ class GaLoreCallback(TrainerCallback):
                 layer.discard_recorded_gradient()
             return
         step_optimizer = self._engine_optimizer if self._engine_optimizer is not None else unwrap_optimizer(optimizer)
-        event = after_step(prepared, step_optimizer, root=model)
+        due = sum(1 for _, layer in galore_layers(prepared) if layer.refresh_due)
+        if not due:
+            after_step(prepared, step_optimizer, root=model)
+            return
+        bar = tqdm(
+            total=due,
+            desc=f"GaLore refresh at step {state.global_step}",
+            unit="layer",
+            delay=REFRESH_PROGRESS_DELAY_S,
+            leave=False,
+            dynamic_ncols=True,
+            disable=args.disable_tqdm or not state.is_world_process_zero,
+        )
+        _wait_for_device(prepared)
+        started = _clock()
+        try:
+            event = after_step(prepared, step_optimizer, root=model, progress=lambda name: bar.update(1))
+            _wait_for_device(prepared)
+        finally:
+            bar.close()
+        seconds = _clock() - started
         if event["refreshed"]:
             self._refreshes_since_log.extend(event["refreshed"])
+            self._refresh_seconds_since_log.append(seconds)
             if event.get("similarity") is not None:
                 self._similarities_since_log.append(float(event["similarity"]))
             logger.info(
-                "GaLore step %d: refreshed %d layer(s) %s; subspace similarity %s",
+                "GaLore step %d: refreshed %d layer(s) in %.2f s %s; subspace similarity %s",
                 state.global_step,
                 len(event["refreshed"]),
+                seconds,
                 event["refreshed"],
                 event.get("similarity"),
             )
@@ -217,13 +307,18 @@ class GaLoreCallback(TrainerCallback):
             extra[f"{LOG_PREFIX}refresh_similarity"] = sum(self._similarities_since_log) / len(
                 self._similarities_since_log
             )
+        if self._refresh_seconds_since_log:
+            extra[f"{LOG_PREFIX}refresh_seconds"] = sum(self._refresh_seconds_since_log)
+            extra[f"{LOG_PREFIX}refresh_seconds_max"] = max(self._refresh_seconds_since_log)
         stats = galore_stats(galore_model_of(model), unwrap_optimizer(optimizer))
         extra.update({key: float(value) for key, value in stats.items() if value is not None})  # keys "galore/..."
         self._refreshes_since_log.clear()
         self._similarities_since_log.clear()
+        self._refresh_seconds_since_log.clear()
         # The Trainer hands the same dict to every callback after us (the integration inserts
-        # this callback first, so TensorBoard/W&B/printer see these keys) and has already copied
-        # it into state.log_history: update that entry too.
+        # this callback first, so TensorBoard/W&B see these keys; the console callbacks get the
+        # brief copy, _brief_console) and has already copied it into state.log_history: update
+        # that entry too.
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
@@ -261,3 +356,17 @@ def _saved_for_step(path: str, step: int) -> bool:
     from ..api import read_galore_checkpoint
 
     return read_galore_checkpoint(path).get("global_step") == step
+
+
+def _brief_on_log(original: Any, owner: GaLoreCallback, args, state, control, logs=None, **kwargs):
+    """A console callback's ``on_log`` that receives ``owner.console_logs(logs)``, a copy: the callbacks
+    after it (a reporting integration added later, the user's own) still get the full dict."""
+    return original(args, state, control, logs=owner.console_logs(logs) if logs is not None else logs, **kwargs)
+
+
+def _wait_for_device(model: Any) -> None:
+    """On a GPU the step's and the refresh's kernels run asynchronously: wait for them, so that a refresh's
+    duration is its own (one synchronization before and one after, on refresh steps only)."""
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type == "cuda":
+        torch.cuda.synchronize(param.device)

@@ -816,7 +816,7 @@ def _check_foreign_optimizer(arguments: dict[str, Any], training_args: Any) -> N
 def _bind_callbacks(trainer: Any) -> None:
     from .callback import GaLoreCallback
 
-    for callback in trainer.callback_handler.callbacks:
+    for callback in list(trainer.callback_handler.callbacks):  # a copy: binding moves the callback
         if isinstance(callback, GaLoreCallback):
             callback.bind_trainer(trainer)
 
