@@ -720,7 +720,8 @@ def test_8bit_step_under_fake_tensors_never_builds_and_keeps_the_fast_path(monke
     _reset_backends(monkeypatch, adamw8bit)
     n = adamw8bit.COMPILE_MIN_NUMEL + 7
     tracker = LiveBytes(scalar_fallback=True)  # answers the step's scalar reads, as in the planner
-    with FakeTensorMode(), tracker:
+    # Real constants (the cached code books) enter the fake step as in the planner's trace.
+    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
         param, grad, state = torch.zeros(n), torch.ones(n), _eight_bit_state(n, False)
         adamw8bit.adamw8bit_step_torch(
             param, grad, *state, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256
