@@ -114,6 +114,12 @@ def _add_fused(lists: list[list], tensors: tuple[torch.Tensor, ...], step: torch
         lists[4].append(step)
 
 
+def _refuse_dtensor_offload() -> None:
+    from hf_galore_plugin.engines.capabilities import check_state_offload
+
+    check_state_offload("fsdp2", state_offload="cpu")
+
+
 def _run_fused(lists: list[list], group: dict[str, Any]) -> None:
     params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = lists
     beta1, beta2 = (float(b) for b in group["betas"])
@@ -257,15 +263,16 @@ class AdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        _validate_group(self.param_groups[-1])
+        group = self.param_groups[-1]
+        _validate_group(group)
+        if group["state_offload"] == "cpu" and any(_is_dtensor(p) for p in group["params"]):
+            _refuse_dtensor_offload()
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32)}
         offload = group["state_offload"] == "cpu"
-        if offload and _is_dtensor(param):
-            from hf_galore_plugin.engines.capabilities import check_state_offload
-
-            check_state_offload("fsdp2", state_offload="cpu")
+        if offload and _is_dtensor(param):  # parameters swapped for DTensors after construction
+            _refuse_dtensor_offload()
         # Offloaded state is created on the host directly: the device never holds a whole state tensor.
         where = {"device": "cpu"} if offload else {}
         # The global numel decides, so every rank of a DTensor picks the same state format.
@@ -390,15 +397,19 @@ class AdamW(torch.optim.Optimizer):
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         saved_states = {p: state_dict["state"][i] for i, p in zip(saved_ids, params) if i in state_dict["state"]}
+        # Where the state lives is this optimizer's choice, not the checkpoint's: torch's loader
+        # replaces each group's options by the saved ones (and drops options a checkpoint written
+        # before state_offload existed lacks), so the current placement is put back.
+        placements = [group["state_offload"] for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, placement in zip(self.param_groups, placements):
+            group["state_offload"] = placement
         groups = {id(p): g for g in self.param_groups for p in g["params"]}
         for param, saved in saved_states.items():
             # A checkpoint loads with or without offload, whichever way it was written.
             if groups[id(param)]["state_offload"] == "cpu":
                 if _is_dtensor(param):
-                    from hf_galore_plugin.engines.capabilities import check_state_offload
-
-                    check_state_offload("fsdp2", state_offload="cpu")
+                    _refuse_dtensor_offload()
                 place = lambda value: host_copy(value.contiguous())  # noqa: E731
             else:
                 device = _local(param).device
