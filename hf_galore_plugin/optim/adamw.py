@@ -31,6 +31,7 @@ few KB while their scales would cost up to 4 B per block.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -51,6 +52,7 @@ from hf_galore_plugin.optim.offload import (
     StateStreamer,
     bytes_per_value,
     chunk_bounds,
+    host_allocation,
     host_copy,
     state_slices,
 )
@@ -112,6 +114,15 @@ def _add_fused(lists: list[list], tensors: tuple[torch.Tensor, ...], step: torch
             if i != 1:  # the gradient is only read
                 lists[5].append((padded, t[body:]))
         lists[4].append(step)
+
+
+def _place(value: torch.Tensor, param: torch.Tensor, offload: bool) -> torch.Tensor:
+    """A loaded state tensor where this optimizer keeps it: on the host (contiguous, pinned when
+    CUDA is available) when offloaded, else on the parameter's device."""
+    if not offload:
+        return value.to(device=_local(param).device)
+    with host_allocation():
+        return host_copy(value.contiguous())
 
 
 def _refuse_dtensor_offload() -> None:
@@ -269,7 +280,16 @@ class AdamW(torch.optim.Optimizer):
             _refuse_dtensor_offload()
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        # The step counter is a host scalar for every parameter, offloaded or not.
         state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32)}
+        with host_allocation() if group["state_offload"] == "cpu" else contextlib.nullcontext():
+            state.update(self._moments(param, group))
+        self.state[param] = state
+        return state
+
+    def _moments(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """The zeroed moment tensors (and 8-bit block size) of a new state: on the host when offloaded."""
+        state: dict[str, Any] = {}
         offload = group["state_offload"] == "cpu"
         if offload and _is_dtensor(param):  # parameters swapped for DTensors after construction
             _refuse_dtensor_offload()
@@ -292,10 +312,7 @@ class AdamW(torch.optim.Optimizer):
                     dtype = torch.uint8 if key == "exp_avg_sq_codes" else torch.int8
                     state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format, **where)
         if offload:
-            state = {
-                key: host_copy(v) if key != "step" and isinstance(v, torch.Tensor) else v for key, v in state.items()
-            }
-        self.state[param] = state
+            state = {key: host_copy(v) if isinstance(v, torch.Tensor) else v for key, v in state.items()}
         return state
 
     @torch.no_grad()
@@ -407,15 +424,11 @@ class AdamW(torch.optim.Optimizer):
         groups = {id(p): g for g in self.param_groups for p in g["params"]}
         for param, saved in saved_states.items():
             # A checkpoint loads with or without offload, whichever way it was written.
-            if groups[id(param)]["state_offload"] == "cpu":
-                if _is_dtensor(param):
-                    _refuse_dtensor_offload()
-                place = lambda value: host_copy(value.contiguous())  # noqa: E731
-            else:
-                device = _local(param).device
-                place = lambda value, device=device: value.to(device=device)  # noqa: E731
+            offload = groups[id(param)]["state_offload"] == "cpu"
+            if offload and _is_dtensor(param):
+                _refuse_dtensor_offload()
             self.state[param] = {
-                key: place(value) if isinstance(value, torch.Tensor) and key != "step" else value
+                key: _place(value, param, offload) if isinstance(value, torch.Tensor) and key != "step" else value
                 for key, value in saved.items()
             }
 

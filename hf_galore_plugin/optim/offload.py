@@ -12,9 +12,11 @@ but the write-back of the chunk that used its slot before, which precedes it on 
 update waits for its load; the write-back waits for its update), so copies overlap the updates. On
 the CPU the same code path runs with plain copies in the same order.
 
-Device memory bound: the two staging slots, each `chunk_bytes` (default 16 MiB, so 32 MiB per
-device), raised only when one aligned chunk of one parameter needs more (a chunk is at least
-`lcm(64, block_size)` values, i.e. under 1 MiB). Nothing else is allocated on the device for state.
+Device memory bound: the two staging slots, each at most `chunk_bytes` (default 16 MiB, so 32 MiB
+per device; less when the largest chunk is smaller), alive during the optimizer step only, exceeded only when one aligned unit of one
+parameter needs more (a chunk is at least `lcm(64, block_size)` values, a few KiB of state).
+Nothing else is allocated on the device for state; the update's own temporaries are those of the
+resident path on one chunk instead of one whole tensor.
 
 Why the results are bit-identical to the resident optimizer: the update is elementwise for fp32
 state, and blockwise for 8-bit state; chunk boundaries are multiples of the quantization block and
@@ -24,17 +26,46 @@ see `adamw._FUSED_ALIGN`), so every value sees the same arithmetic.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
 from hf_galore_plugin.config import STATE_OFFLOAD
 
-__all__ = ["STATE_OFFLOAD", "DEFAULT_CHUNK_MB", "StateStreamer", "chunk_bounds", "host_copy"]
+__all__ = [
+    "STATE_OFFLOAD",
+    "DEFAULT_CHUNK_MB",
+    "StateStreamer",
+    "chunk_bounds",
+    "host_copy",
+    "host_allocation",
+    "allocating_on_host",
+]
 
 DEFAULT_CHUNK_MB = 16.0
 _ALIGN_BYTES = 64  # every staged tensor starts at a multiple of 64 bytes of its slot
+_HOST = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocation() -> Iterator[None]:
+    """Marks the tensors made inside as host-resident optimizer state. Nothing changes for the
+    allocation itself; the memory planner (`plan.tracker.LiveBytes`) reads the mark to count
+    those bytes as host memory, not device memory (its traced parameters are fake CPU tensors
+    that stand for device tensors, so the device alone cannot tell)."""
+    previous = getattr(_HOST, "active", False)
+    _HOST.active = True
+    try:
+        yield
+    finally:
+        _HOST.active = previous
+
+
+def allocating_on_host() -> bool:
+    return getattr(_HOST, "active", False)
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -92,16 +123,18 @@ class StateStreamer:
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.slots: list[torch.Tensor] = []
+        self.slot_bytes = 0  # the largest slot so far (slots are freed after each step)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def nbytes(self) -> int:
-        return sum(slot.numel() for slot in self.slots)
+        """Device bytes of the two slots at their largest so far: the staging bound actually reached."""
+        return 2 * self.slot_bytes
 
     def _reserve(self, needed: int) -> None:
-        if self.slots and self.slots[0].numel() >= needed:
-            return
-        size = max(needed, self.chunk_bytes)
-        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        # Sized by the step's largest chunk (at most chunk_bytes but for one aligned unit), so a model
+        # with less state than a chunk stages only what it has.
+        self.slot_bytes = max(self.slot_bytes, needed)
+        self.slots = [torch.empty(needed, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def _carve(self, slot: int, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         views, offset, buffer = {}, 0, self.slots[slot]
@@ -156,3 +189,6 @@ class StateStreamer:
                     host[key].copy_(view, non_blocking=True)
         if stream is not None:
             stream.synchronize()
+        # Freed between steps: the device holds staging only while the optimizer steps (on CUDA the
+        # caching allocator keeps the blocks, so the next step's slots cost no cudaMalloc).
+        self.slots = []

@@ -49,6 +49,8 @@ class MethodTrace:
     trainable_grad_bytes: int = 0  # gradients of every trainable parameter (DDP bucket size)
     largest_layer_param_bytes: int = 0  # one decoder layer's parameters (FSDP/ZeRO-3 gather unit)
     largest_layer_grad_bytes: int = 0
+    # optimizer state kept in host memory (state_offload='cpu'): never part of a device peak
+    host_state_bytes: int = 0
 
     def step_peak(self, step: int) -> StepPeak:
         return max((run[2] for run in self.steps[step]), key=lambda p: p.peak_bytes)
@@ -354,6 +356,9 @@ class _Roles:
         self._add("bases", bases + projector_bases)
         self._add("weights", weights)
         self._add("grads", grads)
+        # Offloaded state is host memory (the tracker keeps it out of the device total); its device
+        # share is the two staging slots the step streams it through (made and freed inside the
+        # step, so they show among the optimizer phase's temporaries, "other").
         self._add("optimizer_state", state)
         self._regions(model, optimizer, grads)
 
@@ -433,7 +438,9 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
         layer_grads = max(
             (sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in layers), default=0
         )
-    return MethodTrace(method, traced, steps, notes, trainable_grad, layer_params, layer_grads)
+    if tracker.host_peak:
+        notes.append("state_offload='cpu': optimizer state in host memory; the device holds two staging slots")
+    return MethodTrace(method, traced, steps, notes, trainable_grad, layer_params, layer_grads, tracker.host_peak)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -505,7 +512,7 @@ def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 
     ]
     return MethodTrace(
         method, b.traced, steps, notes, _affine(a.trainable_grad_bytes, b.trainable_grad_bytes, extra),
-        b.largest_layer_param_bytes, b.largest_layer_grad_bytes,
+        b.largest_layer_param_bytes, b.largest_layer_grad_bytes, _affine(a.host_state_bytes, b.host_state_bytes, extra),
     )  # fmt: skip
 
 
