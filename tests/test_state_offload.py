@@ -289,3 +289,17 @@ def test_planner_counts_offloaded_state_as_host_memory(method):
         optimizer_phase = max((p for name, _, p in offloaded.steps[step] if name == "optimizer"),
                               key=lambda p: p.peak_bytes)  # fmt: skip
         assert optimizer_phase.parts["other"] >= staging
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("preset", ["galore_adamw", "qgalore_adamw_8bit"])
+def test_ddp_two_ranks_with_offloaded_state_match_single_process(tmp_path, preset):
+    """The 2-rank gloo DDP harness (tests/distributed) with state_offload=cpu against the resident
+    single-process oracle, under the harness's own tolerance for cross-rank summation order."""
+    from distributed._launch import assert_matches, int8_folds, run_two_ranks, single_process_run
+
+    out = tmp_path / "ddp.pt"
+    result = run_two_ranks(out, ENGINE="ddp", PRESET=preset, PROJ_TYPE="std", BASIS_METHOD="svd", STATE_OFFLOAD="cpu")
+    assert result.returncode == 0, result.stderr[-4000:]
+    single = single_process_run(preset, "std")
+    assert_matches(single, torch.load(out, weights_only=True), int8_folds=int8_folds(preset, single))
