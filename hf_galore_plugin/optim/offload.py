@@ -152,6 +152,10 @@ class StateStreamer:
         self._reserve(max(slot_bytes_needed(host) for host, _ in chunks))
         stream = self.copy_stream
         compute = torch.cuda.current_stream(self.device) if stream is not None else None
+        if stream is not None:
+            # The slots come from the caching allocator, ordered on the compute stream: their memory
+            # may still be in use by queued compute work, so the copy stream starts after it.
+            stream.wait_stream(compute)
 
         def load(index: int) -> tuple[dict[str, torch.Tensor], object]:
             host = chunks[index][0]
