@@ -6,7 +6,7 @@
 
 The parameters are what offloading is for: an untied embedding and output head (vocab x hidden
 each), the large tensors GaLore does not project. A step is `optimizer.step()` on fixed random
-gradients; 2 warm-up steps, then the median of `--steps`. "device state" is the optimizer state
+gradients; 2 warm-up steps, then the median of `--steps`, the two settings' steps interleaved. "device state" is the optimizer state
 held on the parameters' device between steps (resident: all of it; offloaded: none, the step
 counters are host scalars either way), and "staging" the device bytes the offloaded step streams
 through (two slots, alive inside the step only). On the CPU "device" and host are the same memory:
@@ -35,7 +35,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(args: argparse.Namespace, offload: str) -> dict:
+def setup(args: argparse.Namespace, offload: str):
+    """(step function, optimizer, parameters) of one setting, on fresh copies of the same tensors."""
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
     shapes = [(args.vocab, args.hidden), (args.vocab, args.hidden)]
@@ -51,25 +52,38 @@ def measure(args: argparse.Namespace, offload: str) -> dict:
             p.grad = g
         optimizer.step()
 
-    for _ in range(2):
-        step()
-    times = []
+    return step, optimizer, params
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    """Both settings, their timed steps interleaved (none, cpu, none, ...) so that load from other
+    processes on a shared machine falls on both alike."""
+    device = torch.device(args.device)
+    runs = {offload: setup(args, offload) for offload in ("none", "cpu")}
+    for step, _, _ in runs.values():
+        for _ in range(2):
+            step()
+    times: dict[str, list[float]] = {offload: [] for offload in runs}
     for _ in range(args.steps):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    steps_bytes = 4 * len(optimizer.state)  # 0-d fp32 step counters, host scalars in both settings
-    host = optimizer.host_state_nbytes()
-    return {
-        "offload": offload,
-        "step_ms": 1000 * statistics.median(times),
-        "device_state_bytes": optimizer.state_nbytes() - steps_bytes - host,
-        "host_state_bytes": host,
-        "staging_bytes": optimizer.staging_nbytes(),
-        "params": sum(p.numel() for p in params),
-    }
+        for offload, (step, _, _) in runs.items():
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            times[offload].append(time.perf_counter() - start)
+    rows = []
+    for offload, (_, optimizer, params) in runs.items():
+        steps_bytes = 4 * len(optimizer.state)  # 0-d fp32 step counters, host scalars in both settings
+        host = optimizer.host_state_nbytes()
+        rows.append({
+            "offload": offload,
+            "step_ms": 1000 * statistics.median(times[offload]),
+            "device_state_bytes": optimizer.state_nbytes() - steps_bytes - host,
+            "host_state_bytes": host,
+            "staging_bytes": optimizer.staging_nbytes(),
+            "params": sum(p.numel() for p in params),
+        })  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here; use --device cpu")
     args.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    rows = [measure(args, offload) for offload in ("none", "cpu")]
+    rows = measure(args)
     state = f"{args.state_bits}-bit" + (" + error feedback" if args.error_feedback else "")
     print(f"{args.device}: embedding + head {args.vocab} x {args.hidden} ({rows[0]['params'] / 1e6:.1f}M values), "
           f"{str(args.dtype).removeprefix('torch.')} params, {state} state, chunk {args.chunk_mb} MiB, "
