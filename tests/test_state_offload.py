@@ -329,3 +329,20 @@ def test_cuda_offloaded_step_and_transform_match_resident(state, monkeypatch):
     for a, b in zip(resident, offloaded):
         assert torch.equal(a, b)
     _assert_same_state(opt_resident, opt_offloaded)
+
+
+def test_planner_cli_reports_host_bytes_and_refuses_sharding_engines(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import json
+
+    from hf_galore_plugin.plan.__main__ import main
+
+    config = tmp_path / "config.json"
+    config.write_text(build_tiny_llama(seed=0).config.to_json_string())
+    common = ["--config", str(config), "--methods", "galore_adamw", "--seq-len", "16", "--rank", "8", "--json"]
+    assert main(common + ["--optim-args", "state_offload=cpu"]) == 0
+    entry = json.loads(capsys.readouterr().out)["methods"]["galore_adamw"]
+    assert entry["host_state_bytes"] > 0 and sum(entry["parts"].values()) == entry["peak_bytes"]
+    argv = common + ["--optim-args", "state_offload=cpu", "--world-size", "2", "--engine", "zero3"]
+    assert main(argv) == 2
+    assert "offload_optimizer" in capsys.readouterr().err
