@@ -257,6 +257,7 @@ def create_optimizer(
         state_bits=config.state_bits,
         block_size=config.state_block_size,
         error_feedback=config.error_feedback,
+        state_offload=config.state_offload,
     )
     install_base_decay_hook(optimizer, model)
     return optimizer

@@ -22,6 +22,7 @@ REFRESH_SCHEDULES = ("aligned", "staggered")
 LOG_KEYS = ("brief", "full")
 WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
+STATE_OFFLOAD = ("none", "cpu")
 _OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size")
 
 
@@ -100,6 +101,12 @@ class GaLoreConfig:
     state_block_size: int = _help("Block size of the 8-bit optimizer state (power of two).", default=256)
     error_feedback: bool = _help(
         "Carry the 8-bit quantization residual of the optimizer state into the next step.", default=False
+    )
+    state_offload: str = _help(
+        "Where the optimizer state lives: 'none' (on the parameters' device) or 'cpu' (host memory, pinned "
+        "when CUDA is available, streamed through the device in 16 MiB chunks with double buffering; "
+        "bit-identical results).",
+        default="none",
     )
     weight_storage: str = _help(
         "Storage of the frozen base weight W0: 'as_loaded' (the model's dtype), 'int8' (group-quantized, "
@@ -196,6 +203,7 @@ class GaLoreConfig:
             ("weight_storage", WEIGHT_STORAGE),
             ("basis_storage", BASIS_STORAGE),
             ("log_keys", LOG_KEYS),
+            ("state_offload", STATE_OFFLOAD),
         ):
             if getattr(self, name) not in allowed:
                 raise bad(name, f"choose one of {list(allowed)}")

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-__all__ = ["ENGINES", "EngineCapabilities", "CAPABILITIES", "UnsupportedByEngine", "check_moment_handling"]
+__all__ = [
+    "ENGINES",
+    "EngineCapabilities",
+    "CAPABILITIES",
+    "UnsupportedByEngine",
+    "check_moment_handling",
+    "check_state_offload",
+]
 
 ENGINES = ("single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3")
 
@@ -36,9 +43,17 @@ class EngineCapabilities:
     # Why 'project' is limited, and what to use instead (empty where it is not limited).
     project_reason: str = ""
     project_alternative: str = ""
+    # Why state_offload='cpu' is refused, and what to use instead (empty where it runs).
+    state_offload_reason: str = ""
+    state_offload_alternative: str = ""
 
 
 _ZERO_REASON = "the moments of one factor are spread over ZeRO's flat partitions"
+_ZERO_OFFLOAD_REASON = "ZeRO owns the optimizer state of its flat fp32 partitions and steps them itself"
+_ZERO_OFFLOAD_ALTERNATIVE = (
+    'DeepSpeed\'s own optimizer offload: "zero_optimization": {"offload_optimizer": '
+    '{"device": "cpu", "pin_memory": true}} in the DeepSpeed config'
+)
 
 
 CAPABILITIES: dict[str, EngineCapabilities] = {
@@ -80,6 +95,11 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
         exact_partial_reset=True,
         project_reason="the optimizer sees the factor's local rows only, and a left-basis transport mixes all rows",
         project_alternative="proj_type='right'",
+        state_offload_reason="its optimizer state is DTensors placed like the sharded parameters",
+        state_offload_alternative=(
+            "FSDP2's own CPUOffloadPolicy (fully_shard(..., offload_policy=CPUOffloadPolicy()), or accelerate's "
+            "fsdp_offload_params: true), which keeps parameters, gradients and optimizer state on the host"
+        ),
     ),
     "zero1": EngineCapabilities(
         label="DeepSpeed ZeRO-1",
@@ -89,6 +109,8 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
         project_moments="none",
         exact_partial_reset=False,  # one step counter per flat group: moments reset, bias correction runs on
         project_reason=_ZERO_REASON,
+        state_offload_reason=_ZERO_OFFLOAD_REASON,
+        state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
     ),
     "zero2": EngineCapabilities(
         label="DeepSpeed ZeRO-2",
@@ -98,6 +120,8 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
         project_moments="none",
         exact_partial_reset=False,  # one step counter per flat group: moments reset, bias correction runs on
         project_reason=_ZERO_REASON,
+        state_offload_reason=_ZERO_OFFLOAD_REASON,
+        state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
     ),
     "zero3": EngineCapabilities(
         label="DeepSpeed ZeRO-3",
@@ -107,6 +131,8 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
         project_moments="none",
         exact_partial_reset=False,
         project_reason=_ZERO_REASON,
+        state_offload_reason=_ZERO_OFFLOAD_REASON,
+        state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
     ),
 }
 
@@ -129,4 +155,17 @@ def check_moment_handling(
     raise UnsupportedByEngine(
         f"{subject}: moment_handling='project'{scope} is not supported under {caps.label}: {caps.project_reason}. "
         f"Use moment_handling='keep' (the default) or 'reset'{alternative}."
+    )
+
+
+def check_state_offload(engine: str, *, state_offload: str) -> None:
+    """Raise :class:`UnsupportedByEngine` when `engine` cannot run ``state_offload`` (the value given)."""
+    if engine not in CAPABILITIES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    caps = CAPABILITIES[engine]
+    if state_offload == "none" or not caps.state_offload_reason:
+        return
+    raise UnsupportedByEngine(
+        f"state_offload={state_offload!r} is not supported under {caps.label}: {caps.state_offload_reason}. "
+        f"Use state_offload='none' with {caps.state_offload_alternative}."
     )

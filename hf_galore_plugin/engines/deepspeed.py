@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..utils import require
-from .capabilities import check_moment_handling
+from .capabilities import check_moment_handling, check_state_offload
 
 __all__ = ["DeepSpeedGaLoreOptimizer", "is_zero3_partitioned", "zero3_gathered", "import_deepspeed"]
 
@@ -85,6 +85,7 @@ class DeepSpeedGaLoreOptimizer:
         if config is None:
             raise ValueError("the engine's model has no GaLore layers: call prepare_model(model, config) first")
         check_moment_handling(f"zero{self.zero_stage}", moment_handling=config.moment_handling)
+        check_state_offload(f"zero{self.zero_stage}", state_offload=config.state_offload)
         phases = [m.galore_phase for m in model.modules() if isinstance(getattr(m, "galore_phase", None), torch.Tensor)]
         if config.state_bits == 8 and any(int(phase) > 0 for phase in phases):
             # Checked here rather than at the first late calibration, many steps into the run.

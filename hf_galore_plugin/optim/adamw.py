@@ -31,6 +31,7 @@ few KB while their scales would cost up to 4 B per block.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -44,6 +45,16 @@ from hf_galore_plugin.optim.functional import (
     RESIDUAL_STATE_KEYS,
     adamw_step_8bit,
     adamw_step_fp32,
+)
+from hf_galore_plugin.optim.offload import (
+    DEFAULT_CHUNK_MB,
+    STATE_OFFLOAD,
+    StateStreamer,
+    bytes_per_value,
+    chunk_bounds,
+    host_allocation,
+    host_copy,
+    state_slices,
 )
 
 try:
@@ -105,6 +116,45 @@ def _add_fused(lists: list[list], tensors: tuple[torch.Tensor, ...], step: torch
         lists[4].append(step)
 
 
+def _place(value: torch.Tensor, param: torch.Tensor, offload: bool) -> torch.Tensor:
+    """A loaded state tensor where this optimizer keeps it: on the host (contiguous, pinned when
+    CUDA is available) when offloaded, else on the parameter's device."""
+    if not offload:
+        return value.to(device=_local(param).device)
+    with host_allocation():
+        return host_copy(value.contiguous())
+
+
+def _refuse_dtensor_offload() -> None:
+    from hf_galore_plugin.engines.capabilities import check_state_offload
+
+    check_state_offload("fsdp2", state_offload="cpu")
+
+
+def _run_fused(lists: list[list], group: dict[str, Any]) -> None:
+    params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = lists
+    beta1, beta2 = (float(b) for b in group["betas"])
+    torch._fused_adamw_(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps,
+        amsgrad=False, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+        weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
+    )  # fmt: skip
+    for padded, original in copy_back:
+        original.copy_(padded[: original.numel()])
+
+
+def _hyper(group: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return {
+        "step": int(state["step"].item()),
+        "lr": float(group["lr"]),
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": float(group["eps"]),
+        "weight_decay": float(group["weight_decay"]),
+    }
+
+
 def _validate_group(group: dict[str, Any]) -> None:
     lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     if not float(lr) >= 0.0:
@@ -131,13 +181,19 @@ def _validate_group(group: dict[str, Any]) -> None:
         )
     if not (isinstance(group["min_8bit_numel"], int) and group["min_8bit_numel"] >= 0):
         raise ValueError(f"AdamW: min_8bit_numel={group['min_8bit_numel']} is invalid; use an int >= 0 (e.g. 4096).")
+    if group["state_offload"] not in STATE_OFFLOAD:
+        raise ValueError(
+            f"AdamW: state_offload={group['state_offload']!r} is invalid; choose one of {list(STATE_OFFLOAD)} "
+            "('cpu' keeps the optimizer state in host memory and streams it through the device)."
+        )
 
 
-def _block_scales(param: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Zeroed fp32 block scales for `param`'s local values (a sharded DTensor for a DTensor param)."""
+def _block_scales(param: torch.Tensor, block_size: int, device: str | None = None) -> torch.Tensor:
+    """Zeroed fp32 block scales for `param`'s local values (a sharded DTensor for a DTensor param),
+    on `device` (default: the parameter's)."""
     local = _local(param)
     if not _is_dtensor(param):
-        return torch.zeros(math.ceil(local.numel() / block_size), dtype=torch.float32, device=local.device)
+        return torch.zeros(math.ceil(local.numel() / block_size), dtype=torch.float32, device=device or local.device)
     # Every rank must hold the same local scale shape, so size it for the largest shard:
     # torch.chunk-style sharding gives the first rank ceil(dim / mesh_size) rows.
     mesh, largest_shape, n_shards, placements = param.device_mesh, list(param.shape), 1, []
@@ -169,7 +225,12 @@ class AdamW(torch.optim.Optimizer):
         block_size: values per quantization block (power of two, 16..4096).
         error_feedback: keep each moment's 8-bit quantization residual and add it back next step.
         min_8bit_numel: parameters with fewer values keep fp32 state even when state_bits=8.
-    state_bits, block_size and error_feedback take effect when a parameter's state is created
+        state_offload: "none" (state on the parameter's device) or "cpu" (state in host memory, pinned
+            when CUDA is available, streamed through the device in chunks; results bit-identical; see
+            `optim.offload`). Refused for DTensor parameters (FSDP2): use FSDP2's CPUOffloadPolicy.
+        state_offload_chunk_mb: MiB of state per staging slot with state_offload="cpu"; two slots per
+            device bound the device memory the state takes during a step (32 MiB by default).
+    state_bits, block_size, error_feedback and state_offload take effect when a parameter's state is created
     (its first step, or the first step after `reset_state`).
     """
 
@@ -185,6 +246,8 @@ class AdamW(torch.optim.Optimizer):
         block_size: int = 256,
         error_feedback: bool = False,
         min_8bit_numel: int = 4096,
+        state_offload: str = "none",
+        state_offload_chunk_mb: float = DEFAULT_CHUNK_MB,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -195,31 +258,61 @@ class AdamW(torch.optim.Optimizer):
             "block_size": block_size,
             "error_feedback": error_feedback,
             "min_8bit_numel": min_8bit_numel,
+            "state_offload": state_offload,
         }
         _validate_group(defaults)
+        if isinstance(state_offload_chunk_mb, bool) or not (
+            isinstance(state_offload_chunk_mb, (int, float)) and state_offload_chunk_mb > 0
+        ):
+            raise ValueError(
+                f"AdamW: state_offload_chunk_mb={state_offload_chunk_mb!r} is invalid; use a positive number of "
+                f"MiB (default {DEFAULT_CHUNK_MB})."
+            )
+        self._chunk_bytes = int(state_offload_chunk_mb * 2**20)
+        self._streamers: dict[torch.device, StateStreamer] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        _validate_group(self.param_groups[-1])
+        group = self.param_groups[-1]
+        _validate_group(group)
+        if group["state_offload"] == "cpu" and any(_is_dtensor(p) for p in group["params"]):
+            _refuse_dtensor_offload()
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        # The step counter is a host scalar for every parameter, offloaded or not.
         state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32)}
+        with host_allocation() if group["state_offload"] == "cpu" else contextlib.nullcontext():
+            state.update(self._moments(param, group))
+        self.state[param] = state
+        return state
+
+    def _moments(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """The zeroed moment tensors (and 8-bit block size) of a new state: on the host when offloaded."""
+        state: dict[str, Any] = {}
+        offload = group["state_offload"] == "cpu"
+        if offload and _is_dtensor(param):  # parameters swapped for DTensors after construction
+            _refuse_dtensor_offload()
+        # Offloaded state is created on the host directly: the device never holds a whole state tensor.
+        where = {"device": "cpu"} if offload else {}
         # The global numel decides, so every rank of a DTensor picks the same state format.
         if group["state_bits"] == 32 or param.numel() < group["min_8bit_numel"]:
-            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+            for key in ("exp_avg", "exp_avg_sq"):
+                # Offloaded moments are contiguous: chunks are ranges of the flattened values.
+                layout = torch.contiguous_format if offload else torch.preserve_format
+                state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=layout, **where)
         else:
             block_size = group["block_size"]
             state["block_size"] = block_size
             residuals = RESIDUAL_STATE_KEYS if group["error_feedback"] else ()
             for key in EIGHT_BIT_STATE_KEYS + residuals:
                 if key.endswith("scales"):
-                    state[key] = _block_scales(param, block_size)
+                    state[key] = _block_scales(param, block_size, **where)
                 else:
                     dtype = torch.uint8 if key == "exp_avg_sq_codes" else torch.int8
-                    state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
-        self.state[param] = state
+                    state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format, **where)
+        if offload:
+            state = {key: host_copy(v) if isinstance(v, torch.Tensor) else v for key, v in state.items()}
         return state
 
     @torch.no_grad()
@@ -229,8 +322,8 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = (float(b) for b in group["betas"])
             fused: dict[torch.device, list[list[torch.Tensor]]] = {}
+            streamed: dict[torch.device, list] = {}
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -243,36 +336,72 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 if local.numel() == 0:
                     continue
+                if group["state_offload"] == "cpu":
+                    streamed.setdefault(local.device, []).extend(self._offloaded_chunks(local, grad, state, group))
+                    continue
                 if "exp_avg" in state:
                     exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                     if _fusable(local, grad, exp_avg, exp_avg_sq):
                         lists = fused.setdefault(local.device, [[], [], [], [], [], []])
                         _add_fused(lists, (local, grad, exp_avg, exp_avg_sq), state["step"])
                         continue
-                hyper = {
-                    "step": int(state["step"].item()),
-                    "lr": float(group["lr"]),
-                    "beta1": beta1,
-                    "beta2": beta2,
-                    "eps": float(group["eps"]),
-                    "weight_decay": float(group["weight_decay"]),
-                }
+                hyper = _hyper(group, state)
                 if "exp_avg" in state:
                     adamw_step_fp32(local, grad, exp_avg, exp_avg_sq, **hyper)
                 else:
                     tensors = {k: _local(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
                     adamw_step_8bit(local, grad, tensors, block_size=state["block_size"], **hyper)
-            for params, grads, exp_avgs, exp_avg_sqs, steps, copy_back in fused.values():
+            for lists in fused.values():
                 # torch's multi-tensor fused AdamW kernel: one call for every fp32 tensor of the group
                 # (no per-tensor Python).
-                torch._fused_adamw_(
-                    params, grads, exp_avgs, exp_avg_sqs, [], steps,
-                    amsgrad=False, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                    weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
-                )  # fmt: skip
-                for padded, original in copy_back:
-                    original.copy_(padded[: original.numel()])
+                _run_fused(lists, group)
+            for device, chunks in streamed.items():
+                if device not in self._streamers:
+                    self._streamers[device] = StateStreamer(device, self._chunk_bytes)
+                self._streamers[device].run(chunks)
         return loss
+
+    def _offloaded_chunks(
+        self, local: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> list[tuple[dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], None]]]:
+        """(host state slices, update of those values) for each chunk of an offloaded parameter.
+
+        Each update is the resident path's function on a range of the flattened values: the fused
+        kernel where the resident step would use it, else `adamw_step_fp32` / `adamw_step_8bit`."""
+        block_size = state.get("block_size")
+        fp32 = "exp_avg" in state
+        # Decided on whole tensors, exactly as the resident step decides.
+        fusable = fp32 and _fusable(local, grad, state["exp_avg"], state["exp_avg_sq"])
+        values = local.view(-1) if local.is_contiguous() else local.contiguous().view(-1)
+        grads = grad.reshape(-1)
+        hyper = _hyper(group, state)
+        align = math.lcm(_FUSED_ALIGN, block_size or 1)
+        bounds = chunk_bounds(values.numel(), bytes_per_value(state, block_size), self._chunk_bytes, align)
+        chunks = []
+        for start, end in bounds:
+            part, part_grad = values[start:end], grads[start:end]
+
+            def update(staged, part=part, part_grad=part_grad):
+                if fusable:
+                    lists: list[list] = [[], [], [], [], [], []]
+                    _add_fused(lists, (part, part_grad, staged["exp_avg"], staged["exp_avg_sq"]), state["step"])
+                    _run_fused(lists, group)
+                elif fp32:
+                    adamw_step_fp32(part, part_grad, staged["exp_avg"], staged["exp_avg_sq"], **hyper)
+                else:
+                    adamw_step_8bit(part, part_grad, staged, block_size=block_size, **hyper)
+
+            chunks.append((state_slices(state, start, end, block_size), update))
+        if not local.is_contiguous():
+            # A non-contiguous parameter steps in a contiguous copy, written back after its last chunk.
+            last_host, last_update = chunks[-1]
+
+            def update_and_write_back(staged, last_update=last_update):
+                last_update(staged)
+                local.copy_(values.view(local.shape))
+
+            chunks[-1] = (last_host, update_and_write_back)
+        return chunks
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, except every state tensor keeps its saved dtype.
@@ -285,11 +414,21 @@ class AdamW(torch.optim.Optimizer):
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         saved_states = {p: state_dict["state"][i] for i, p in zip(saved_ids, params) if i in state_dict["state"]}
+        # Where the state lives is this optimizer's choice, not the checkpoint's: torch's loader
+        # replaces each group's options by the saved ones (and drops options a checkpoint written
+        # before state_offload existed lacks), so the current placement is put back.
+        placements = [group["state_offload"] for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, placement in zip(self.param_groups, placements):
+            group["state_offload"] = placement
+        groups = {id(p): g for g in self.param_groups for p in g["params"]}
         for param, saved in saved_states.items():
-            device = _local(param).device
+            # A checkpoint loads with or without offload, whichever way it was written.
+            offload = groups[id(param)]["state_offload"] == "cpu"
+            if offload and _is_dtensor(param):
+                _refuse_dtensor_offload()
             self.state[param] = {
-                key: value.to(device=device) if isinstance(value, torch.Tensor) and key != "step" else value
+                key: _place(value, param, offload) if isinstance(value, torch.Tensor) and key != "step" else value
                 for key, value in saved.items()
             }
 
@@ -322,31 +461,22 @@ class AdamW(torch.optim.Optimizer):
         state = self.state.get(param)
         if not state:
             return
-        local_shape = _local(param).shape
-        if "exp_avg" in state:
-            exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-            new_avg, new_avg_sq = fn(exp_avg.clone(), exp_avg_sq.clone())
-            _check_shape(new_avg, new_avg_sq, local_shape)
-            exp_avg.copy_(new_avg)
-            exp_avg_sq.copy_(new_avg_sq)
+        if any(
+            key != "step" and isinstance(v, torch.Tensor) and v.device != _local(param).device
+            for key, v in state.items()
+        ):
+            # Offloaded state: transformed on the parameter's device (fn may use device tensors such as a
+            # basis), one parameter at a time, and written back to the host.
+            staged = {
+                key: v.to(_local(param).device) if key != "step" and isinstance(v, torch.Tensor) else v
+                for key, v in state.items()
+            }
+            _transform(staged, _local(param).shape, fn)
+            for key, value in staged.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key].copy_(value)
             return
-        block_size = state["block_size"]
-        n_blocks = math.ceil(math.prod(local_shape) / block_size)
-
-        def flat(key: str) -> torch.Tensor | None:
-            if key not in state:
-                return None
-            view = _local(state[key]).view(-1)
-            return view[:n_blocks] if key.endswith("scales") else view
-
-        moments = []
-        for name in ("exp_avg", "exp_avg_sq"):
-            keys = (f"{name}_codes", f"{name}_scales", f"{name}_residual_codes", f"{name}_residual_scales")
-            moments.append((keys, dequantize_moment(*(flat(k) for k in keys), block_size=block_size)))
-        new_values = fn(*(m.view(local_shape) for _, m in moments))
-        _check_shape(*new_values, local_shape)
-        for (keys, _), value in zip(moments, new_values):
-            quantize_moment(value.float().reshape(-1), *(flat(k) for k in keys), block_size=block_size)
+        _transform(state, _local(param).shape, fn)
 
     def state_nbytes(self) -> int:
         """Bytes of every state tensor this process holds (local shards of DTensors), step counters included."""
@@ -356,6 +486,54 @@ class AdamW(torch.optim.Optimizer):
             for v in state.values()
             if isinstance(v, torch.Tensor)
         )
+
+    def host_state_nbytes(self) -> int:
+        """Bytes of the state tensors ``state_offload='cpu'`` keeps in host memory (step counters,
+        which every parameter keeps on the host, excluded)."""
+        offloaded = {id(p) for g in self.param_groups if g["state_offload"] == "cpu" for p in g["params"]}
+        return sum(
+            v.numel() * v.element_size()
+            for param, state in self.state.items()
+            if id(param) in offloaded
+            for key, v in state.items()
+            if key != "step" and isinstance(v, torch.Tensor)
+        )
+
+    def staging_nbytes(self) -> int:
+        """Device bytes of the offload staging buffers (two slots per device once a step has run)."""
+        return sum(streamer.nbytes() for streamer in self._streamers.values())
+
+
+def _transform(
+    state: dict[str, Any],
+    local_shape: torch.Size,
+    fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """`AdamW.transform_state` on state tensors that live with the parameter."""
+    if "exp_avg" in state:
+        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        new_avg, new_avg_sq = fn(exp_avg.clone(), exp_avg_sq.clone())
+        _check_shape(new_avg, new_avg_sq, local_shape)
+        exp_avg.copy_(new_avg)
+        exp_avg_sq.copy_(new_avg_sq)
+        return
+    block_size = state["block_size"]
+    n_blocks = math.ceil(math.prod(local_shape) / block_size)
+
+    def flat(key: str) -> torch.Tensor | None:
+        if key not in state:
+            return None
+        view = _local(state[key]).view(-1)
+        return view[:n_blocks] if key.endswith("scales") else view
+
+    moments = []
+    for name in ("exp_avg", "exp_avg_sq"):
+        keys = (f"{name}_codes", f"{name}_scales", f"{name}_residual_codes", f"{name}_residual_scales")
+        moments.append((keys, dequantize_moment(*(flat(k) for k in keys), block_size=block_size)))
+    new_values = fn(*(m.view(local_shape) for _, m in moments))
+    _check_shape(*new_values, local_shape)
+    for (keys, _), value in zip(moments, new_values):
+        quantize_moment(value.float().reshape(-1), *(flat(k) for k in keys), block_size=block_size)
 
 
 def _check_shape(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, shape: torch.Size) -> None:

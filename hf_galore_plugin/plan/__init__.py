@@ -165,6 +165,13 @@ def estimate(
     if device not in ("cuda", "cpu"):
         raise PlanError(f"--device {device!r}: choose cuda (GPU code paths) or cpu")
     overrides = _parse_optim_args(optim_args)
+    if overrides.get("state_offload", "none") != "none":
+        from ..engines.capabilities import UnsupportedByEngine, check_state_offload
+
+        try:
+            check_state_offload(engine if world_size > 1 else "single", state_offload=overrides["state_offload"])
+        except UnsupportedByEngine as exc:
+            raise PlanError(f"--optim-args state_offload={overrides['state_offload']}: {exc}") from exc
     cfg = load_config(model, config)
     settings = Settings(seq_len, batch_size, DTYPES[dtype], gradient_checkpointing, device,
                         overrides.pop("rank", rank), lora_rank, overrides)  # fmt: skip
@@ -202,6 +209,8 @@ def estimate(
         entry["fits_gpus_gb"] = [
             g for g in GPU_SIZES_GB if max(entry["peak_bytes"], entry["refresh_peak_bytes"]) <= g * 10**9
         ]
+        # Host memory (state_offload='cpu'): per process, whatever the engine (refused where it shards state).
+        entry["host_state_bytes"] = t.host_state_bytes
         entry["notes"] = t.notes
         result["methods"][name] = entry
     return result

@@ -44,12 +44,14 @@ class StepPeak:
 class MethodTrace:
     method: str
     traced: bool
-    # per step (0: first, 1: normal, 2: refresh): the peak of every run (phase, decoder layer or -1)
+    # per traced step (see the module docstring): the peak of every run (phase, decoder layer or -1)
     steps: list[list[tuple[str, int, StepPeak]]]
     notes: list[str] = field(default_factory=list)
     trainable_grad_bytes: int = 0  # gradients of every trainable parameter (DDP bucket size)
     largest_layer_param_bytes: int = 0  # one decoder layer's parameters (FSDP/ZeRO-3 gather unit)
     largest_layer_grad_bytes: int = 0
+    # optimizer state kept in host memory (state_offload='cpu'): never part of a device peak
+    host_state_bytes: int = 0
     # refresh_schedule='staggered': a refresh step refreshes one phase, not every layer. The trace
     # calibrates every layer at step 0 and refreshes only the phase's largest layer at step 2 (its record
     # and basis computation traced); the phase's other records (`phase_extra_bytes`, computed from the
@@ -471,6 +473,9 @@ class _Roles:
         self._add("bases", bases + projector_bases)
         self._add("weights", weights)
         self._add("grads", grads)
+        # Offloaded state is host memory (the tracker keeps it out of the device total); its device
+        # share is the two staging slots the step streams it through (made and freed inside the
+        # step, so they show among the optimizer phase's temporaries, "other").
         self._add("optimizer_state", state)
         self._regions(model, optimizer, grads)
 
@@ -550,9 +555,11 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
         layer_grads = max(
             (sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in layers), default=0
         )
+    if tracker.host_peak:
+        notes.append("state_offload='cpu': optimizer state in host memory; the device holds two staging slots")
     extra = getattr(after, "phase_extra_bytes", None)
     return MethodTrace(
-        method, traced, steps, notes, trainable_grad, layer_params, layer_grads,
+        method, traced, steps, notes, trainable_grad, layer_params, layer_grads, tracker.host_peak,
         staggered=extra is not None, phase_extra_bytes=extra or 0,
     )  # fmt: skip
 
@@ -629,7 +636,7 @@ def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 
     ]
     return MethodTrace(
         method, b.traced, steps, notes, _affine(a.trainable_grad_bytes, b.trainable_grad_bytes, extra),
-        b.largest_layer_param_bytes, b.largest_layer_grad_bytes,
+        b.largest_layer_param_bytes, b.largest_layer_grad_bytes, _affine(a.host_state_bytes, b.host_state_bytes, extra),
         staggered=b.staggered, phase_extra_bytes=b.phase_extra_bytes,
     )  # fmt: skip
 

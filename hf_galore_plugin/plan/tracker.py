@@ -22,6 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..optim.offload import allocating_on_host
+
 __all__ = ["LiveBytes", "Entry"]
 
 
@@ -58,6 +60,11 @@ class LiveBytes(TorchDispatchMode):
         self.unowned: set[int] = set()  # model / optimizer tensors of no layer (embeddings, head)
         self.region = -1
         self.runs: list[tuple[str, int, int, dict[int, Entry]]] = []  # (phase, region, peak, live at peak)
+        # Storages made under `optim.offload.host_allocation()` (offloaded optimizer state): host
+        # memory, counted apart from the device total, and never part of a device peak.
+        self.host_keys: dict[int, int] = {}
+        self.host_total = 0
+        self.host_peak = 0
 
     # ------------------------------------------------------------------ accounting
     def track(self, tensor: torch.Tensor) -> Optional[Entry]:
@@ -66,6 +73,8 @@ class LiveBytes(TorchDispatchMode):
             return None
         storage = tensor.untyped_storage()
         key = storage._cdata
+        if key in self.host_keys:
+            return None
         entry = self.live.get(key)
         if entry is not None:
             return entry
@@ -78,6 +87,22 @@ class LiveBytes(TorchDispatchMode):
             self.peak_phase = self.phase
             self._peak_pending = True
         return entry
+
+    def track_host(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage (once) as host memory."""
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.host_keys or key in self.live:
+            return
+        self.host_keys[key] = storage.nbytes()
+        self.host_total += storage.nbytes()
+        self.host_peak = max(self.host_peak, self.host_total)
+        weakref.finalize(storage, self._free_host, key)
+
+    def _free_host(self, key: int) -> None:
+        self.host_total -= self.host_keys.pop(key, 0)
 
     def _free(self, key: int, serial: int) -> None:
         entry = self.live.get(key)
@@ -147,7 +172,8 @@ class LiveBytes(TorchDispatchMode):
                     return True
                 return 1.0 if dtype.is_floating_point else 1
         out = func(*args, **kwargs)
+        track = self.track_host if allocating_on_host() else self.track
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                self.track(leaf)
+                track(leaf)
         return out

@@ -49,6 +49,7 @@ def build_model(preset: str, proj_type: str) -> nn.Module:
         moment_handling=os.environ.get("MOMENT_HANDLING", "keep"),
         refresh_schedule=os.environ.get("REFRESH_SCHEDULE", "aligned"),
         refresh_budget_mb=float(os.environ["REFRESH_BUDGET_MB"]) if "REFRESH_BUDGET_MB" in os.environ else None,
+        state_offload=os.environ.get("STATE_OFFLOAD", "none"),
     )
     return prepare_model(model, config)
 
