@@ -20,6 +20,8 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.benchmark
+
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

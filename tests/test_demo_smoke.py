@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.benchmark]
 
 
 def _run(script: str, *args: str, timeout: int = 300) -> str:
