@@ -6,6 +6,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck disable=SC1091
 source scripts/env.sh
 python -m pytest tests -ra --durations=15 "$@"
+if [ "$#" -eq 0 ]; then
+  # The benchmark smoke runs (marker `benchmark`) are out of the default run (pyproject addopts):
+  # the full run takes them as a second invocation, so CI still covers them.
+  python -m pytest tests -ra --durations=5 -m benchmark
+fi
 if [ -f scripts/test_transformers_457.sh ] && [ "${HF_GALORE_SKIP_TF457:-0}" != "1" ] && [ "$#" -eq 0 ]; then
   # The optimizer-name registration must also work on the 4.57 line of transformers (second venv).
   bash scripts/test_transformers_457.sh

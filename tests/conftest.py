@@ -45,12 +45,58 @@ def build_tiny_llama(*, seed: Optional[int] = 0, **overrides: Any):
     return transformers.LlamaForCausalLM(config)
 
 
-def run_python(code: str, *, env: Optional[dict] = None, timeout: int = 120, check: bool = True):
-    """Run `code` (dedented) in a fresh interpreter, offline; with `check`, a failure shows its stderr."""
+def token_data(n: int = 64, length: int = 16, *, vocab: int = 256, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """`n` rows of `length` random token ids below `vocab` (a fixed generator), as causal-LM examples."""
+    ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+# The optimizer settings of the Trainer tests: with update_proj_gap=3, bases at steps 0 and 3.
+RANK_ARGS = "rank=8,update_proj_gap=3"
+
+
+def training_args(tmp_path, **overrides: Any):
+    """``TrainingArguments`` of the Trainer tests: galore_adamw, 4 steps of batch 4, CPU, seeded, no saves,
+    a loss logged every step; `overrides` replace any of them. ``activation_checkpointing=True`` is
+    passed under the name the installed transformers reads (see :func:`activation_checkpointing_field`)."""
+    from transformers import TrainingArguments
+
+    kwargs = dict(
+        output_dir=str(tmp_path), optim="galore_adamw", optim_args=RANK_ARGS, max_steps=4,
+        per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    if "activation_checkpointing" in kwargs:
+        kwargs[activation_checkpointing_field()] = kwargs.pop("activation_checkpointing")
+    return TrainingArguments(**kwargs)
+
+
+def activation_checkpointing_field() -> str:
+    """The ``TrainingArguments`` field that switches activation checkpointing on: transformers 5.x renamed
+    ``gradient_checkpointing`` to ``activation_checkpointing`` and deprecates the old name (a FutureWarning,
+    an error under this suite's warning filters); the 4.x line knows only the old one."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+def logged_losses(trainer) -> dict[int, float]:
+    """The training losses a Trainer logged, by step."""
+    return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+
+def run_python(code: str, *, env: Optional[dict] = None, timeout: int = 120, check: bool = True, cwd=None):
+    """Run `code` (dedented) in a fresh interpreter, offline, in `cwd`; with `check`, a failure shows its
+    stderr."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=timeout
-    )
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=timeout,
+        cwd=None if cwd is None else str(cwd),
+    )  # fmt: skip
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result

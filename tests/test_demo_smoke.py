@@ -17,7 +17,7 @@ from typing import Optional
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.benchmark]
 
 
 def _run(script: str, *args: str, timeout: int = 300, stderr: Optional[list] = None) -> str:

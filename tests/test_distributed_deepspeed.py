@@ -38,7 +38,7 @@ def test_zero_two_ranks_match_single_process(tmp_path, stage, preset):
 def test_zero_without_master_sync_diverges(tmp_path, stage):
     # The same run with DeepSpeedGaLoreOptimizer.param_changed disabled: the stale fp32 master puts the
     # old factor back after each fold, counting it twice. Measured: 1.0% loss and 2.7% weight deviation,
-    # far outside the 1e-4 the synced runs meet.
+    # far outside the 2e-6 (LOSS_RTOL) the synced runs meet.
     out = tmp_path / "stale.pt"
     result = run_two_ranks(out, ENGINE=f"zero{stage}", PRESET="galore_adamw", PROJ_TYPE="std", NO_MASTER_SYNC="1")
     assert result.returncode == 0, result.stderr[-4000:]

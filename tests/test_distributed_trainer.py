@@ -108,13 +108,14 @@ def test_trainer_two_ranks_match_single_process_and_resume_exactly(
     single = single_process(preset, extra)
 
     assert run["refresh_steps"] == single["refresh_steps"] == REFRESH_STEPS  # bases identical across ranks: worker
-    # Measured: losses within 1.9e-7 relative (fp32 sums in another order: two halves reduced vs one batch).
+    # Measured: losses within 1.9e-7 relative (fp32 sums in another order: two halves reduced vs one batch);
+    # the bound is ~10x that.
     steps = sorted(single["losses"])
     assert sorted(run["losses"]) == steps
     torch.testing.assert_close(
         torch.tensor([run["losses"][s] for s in steps]),
         torch.tensor([single["losses"][s] for s in steps]),
-        rtol=1e-4,
+        rtol=2e-6,
         atol=0,
     )
     # Measured: GaLore layers within 4e-7 absolute; the largest deviations, 6e-6 absolute (values ~4e-3),
@@ -122,10 +123,11 @@ def test_trainer_two_ranks_match_single_process_and_resume_exactly(
     # normalization turns last-bit differences of the gradient into visible ones.
     # INT8 W0 with stochastic rounding (Q-GaLore): a fold may also move a few codes by one step
     # (assert_weights_match says how many and why; seen on an AMD EPYC machine in gate_proj).
+    # The bound: 1e-5 absolute (the 6e-6 above, ~1.7x), and 1e-6 relative for the larger values.
     _assert_merged_plain_model(run, single, pretrained)
     folds = len(REFRESH_STEPS) if preset.startswith("qgalore") else 0
     for key, expected in single["weights"].items():
-        assert_weights_match(run["weights"][key], expected, key=key, int8_folds=folds)
+        assert_weights_match(run["weights"][key], expected, key=key, int8_folds=folds, rtol=1e-6, atol=1e-5)
     _assert_resumed_exactly(run)
 
     files = run["checkpoint_files"]
@@ -155,7 +157,7 @@ def test_qgalore_8bit_state_under_zero2_and_ddp(tmp_path, pretrained, single_pro
     Measured: 8.2e-4 relative on the losses after 24 steps; the bound is 5e-3. Under DDP the blocks are
     the same as in one process, but the ~1e-7 differences of the averaged gradients flip some 8-bit codes
     of the dense lm_head / embedding moments, so their final weights differ by more than the fp32 runs'
-    1e-4 (the losses still agree to 1e-4). Resume stays exact for both.
+    bound (the losses still agree to 5e-3). Resume stays exact for both.
     """
     run = _run_engine(tmp_path, pretrained, engine, "qgalore_adamw_8bit")
     single = single_process("qgalore_adamw_8bit", "")

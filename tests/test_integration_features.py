@@ -24,7 +24,14 @@ transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
-from test_integration_trainer import losses, tiny_llama, token_data, training_args  # noqa: E402
+from conftest import build_tiny_llama, logged_losses, token_data, training_args  # noqa: E402
+
+losses = logged_losses
+
+
+def tiny_llama(seed: int = 0):
+    return build_tiny_llama(seed=seed)
+
 
 STEPS = 4  # with update_proj_gap=3: bases at step 0 and 3, so step 4 trains in a refreshed basis
 
@@ -77,7 +84,7 @@ def run(tmp_path, model=None, callbacks=(), eval_dataset=None, **overrides) -> T
 # ---------------------------------------------------------------------- gradient checkpointing
 def test_gradient_checkpointing_gives_the_same_losses(tmp_path, fp32_run):
     model = tiny_llama()
-    trainer = run(tmp_path, model=model, gradient_checkpointing=True)
+    trainer = run(tmp_path, model=model, activation_checkpointing=True)
     assert model.model.gradient_checkpointing  # the Trainer really switched it on
     # recomputing the forward changes nothing in fp32: same losses, refreshes recorded once per step
     assert losses(trainer) == pytest.approx(fp32_run["losses"], abs=1e-5)
@@ -108,13 +115,17 @@ def test_bf16_mixed_precision_tracks_fp32(tmp_path, fp32_run):
     assert refresh_counts(model) == fp32_run["refreshes"]
 
 
-def test_fp16_trainer_on_cpu_runs_without_autocast(tmp_path):
+def test_fp16_trainer_on_cpu_trains_without_autocast_like_fp32(tmp_path, fp32_run):
     # accelerate enables fp16 autocast and the GradScaler only on accelerators ("cuda", "xpu", ...):
-    # with use_cpu=True, fp16=True trains in fp32 (Accelerator.native_amp stays False). The fp16
-    # path of our layer is therefore tested directly under torch.autocast below.
+    # with use_cpu=True, fp16=True trains in fp32 (Accelerator.native_amp stays False), so the run
+    # must give the fp32 run's losses bit for bit. The fp16 path of our layer is tested directly under
+    # torch.autocast below.
     trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path, fp16=True), train_dataset=token_data())
     assert trainer.accelerator.mixed_precision == "fp16"
     assert trainer.accelerator.native_amp is False and trainer.accelerator.scaler is None
+    trainer.train()
+    assert losses(trainer) == fp32_run["losses"]
+    assert refresh_counts(trainer.model) == fp32_run["refreshes"]
 
 
 def test_fp16_autocast_with_grad_scaler_tracks_fp32():

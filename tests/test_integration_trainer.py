@@ -7,9 +7,6 @@ Tiny Llama (hidden 64, 2 layers) on random token ids; every test trains a few st
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -18,11 +15,10 @@ from torch import nn
 import hf_galore_plugin as hgp
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import LlamaForCausalLM, Trainer, TrainerCallback  # noqa: E402
 
 from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME, GaLoreCallback  # noqa: E402
-
-RANK_ARGS = "rank=8,update_proj_gap=3"
+from conftest import RANK_ARGS, build_tiny_llama, logged_losses, run_python, token_data, training_args  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -33,48 +29,10 @@ def _torch_twins(monkeypatch):
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return build_tiny_llama(seed=seed)
 
 
-def token_data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(1))
-    return [{"input_ids": row, "labels": row} for row in ids]
-
-
-def training_args(tmp_path, **overrides) -> TrainingArguments:
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        optim="galore_adamw",
-        optim_args=RANK_ARGS,
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
-
-
-def losses(trainer: Trainer) -> dict[int, float]:
-    return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+losses = logged_losses
 
 
 # ---------------------------------------------------------------------- flow and settings
@@ -241,15 +199,8 @@ def test_save_model_is_merged_and_loads_without_the_plugin(tmp_path):
         assert "hf_galore_plugin" not in sys.modules
         print("ok")
     """
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(tmp_path),
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""},
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    result = run_python(code, cwd=tmp_path, env={"PYTHONPATH": ""})
+    assert result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------- bad configurations

@@ -13,7 +13,9 @@ from torch import nn
 import hf_galore_plugin as hgp
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from conftest import build_tiny_llama  # noqa: E402
+from conftest import token_data as shared_token_data  # noqa: E402
 
 from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
 
@@ -23,25 +25,19 @@ def _torch_twins(monkeypatch):
     monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
 
 
+# A smaller Llama than the shared one: these tests only need a model to misuse.
+SMALL_LLAMA = dict(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+    vocab_size=128, max_position_embeddings=32,
+)  # fmt: skip
+
+
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    kwargs = dict(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=128,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**kwargs))
+    return build_tiny_llama(seed=seed, **{**SMALL_LLAMA, **overrides})
 
 
 def token_data(n: int = 16) -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, 128, (n, 8), generator=torch.Generator().manual_seed(1))
-    return [{"input_ids": row, "labels": row} for row in ids]
+    return shared_token_data(n, 8, vocab=128)
 
 
 def args(tmp_path, **overrides) -> TrainingArguments:

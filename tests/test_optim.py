@@ -171,26 +171,14 @@ def test_half_params_keep_fp32_state(dtype):
         assert (a.float() - b).abs().max() <= bound
 
 
-def _bnb():
-    try:
-        import bitsandbytes
-    except Exception:  # ImportError, or a broken native library
-        return None
-    return bitsandbytes
-
-
 @pytest.mark.parametrize("lr", [1e-3, 1e-2])
 def test_8bit_deviation_no_worse_than_bitsandbytes(lr):
+    import bitsandbytes as bnb  # a dev dependency: the oracle of this test, never replaced by a constant
+
     fp32, _ = _train(lambda p, lr: AdamW(p, lr=lr, weight_decay=0.01), lr=lr)
     ours8, opt = _train(lambda p, lr: AdamW(p, lr=lr, weight_decay=0.01, state_bits=8), lr=lr)
     assert opt.state[next(iter(opt.state))]["exp_avg_codes"].dtype == torch.int8
     ours = _rel(ours8, fp32)
-    bnb = _bnb()
-    if bnb is None:
-        # Bound measured with bitsandbytes 0.50.2 on this problem: it shows 5.7% (lr 1e-3) and
-        # 0.59% (lr 1e-2); we hold the larger one.
-        assert ours <= 0.06
-        return
     torch_ref, _ = _train(lambda p, lr: torch.optim.AdamW(p, lr=lr, weight_decay=0.01), lr=lr)
     theirs8, bnb_opt = _train(lambda p, lr: bnb.optim.AdamW8bit(p, lr=lr, weight_decay=0.01), lr=lr)
     assert bnb_opt.state[next(iter(bnb_opt.state))]["state1"].dtype == torch.uint8  # 8-bit state in use

@@ -79,9 +79,22 @@ def test_kernel_matches_twin_bf16_params():
     torch.testing.assert_close(kernel_param.float(), twin_param.float(), rtol=2.0**-7, atol=0.0)
 
 
-def test_kernel_empty_launch_is_noop():
-    param = torch.zeros(0, device=_device())
-    adamw8bit_step_triton(param, param.clone(), *_state(0, False), step=1, block_size=BLOCK, **HYPER)
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_kernel_empty_launch_is_noop(error_feedback):
+    """A zero-element parameter raises nothing and writes nothing: every argument is an empty view at
+    the start of a filled buffer, and no byte of those buffers may change (a launch that ignored the
+    element count would write into them)."""
+    device = _device()
+    buffers = [torch.full((2 * BLOCK,), 0.25, device=device), torch.full((2 * BLOCK,), -1.5, device=device)]
+    for tensor in _state(2 * BLOCK, error_feedback):
+        if tensor is not None:
+            buffers.append(torch.full_like(tensor, 7 if tensor.dtype in (torch.int8, torch.uint8) else 0.5))
+    before = [b.clone() for b in buffers]
+    views = iter([b[:0] for b in buffers])
+    args = [next(views), next(views)] + [next(views) if t is not None else None for t in _state(0, error_feedback)]
+    adamw8bit_step_triton(*args, step=1, block_size=BLOCK, **HYPER)
+    for buffer, original in zip(buffers, before):
+        assert torch.equal(buffer, original)
 
 
 def test_optimizer_dispatches_to_kernel(monkeypatch):

@@ -102,7 +102,13 @@ def build_fake_model(config, dtype: torch.dtype, *, gradient_checkpointing: bool
         torch.set_default_dtype(previous)
     model.train()
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        # transformers 5.x names it activation checkpointing and deprecates `gradient_checkpointing_enable`;
+        # the 4.x line has only the old name.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
 
 

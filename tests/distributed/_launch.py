@@ -57,19 +57,34 @@ def single_process_run(preset: str, proj_type: str, fake_step: str = "0", basis_
 CODE_FLIPS_PER_FOLD = 4
 
 
+# Two ranks against one process at the torch level (fp32 sums in another order: two halves reduced vs one
+# batch). Measured over DDP, FSDP1, FSDP2, ZeRO-1/2/3 (galore_adamw, qgalore_adamw_8bit, svd and randomized
+# bases, 30 steps): losses within 2.2e-7 relative, merged weights within 9.7e-8 absolute (values up to ~1).
+# The bounds are those measurements times ~10, for machines that sum in yet another order.
+LOSS_RTOL = 2e-6
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-6, 1e-6
+
+
 def assert_weights_match(
-    got: torch.Tensor, expected: torch.Tensor, *, key: str, int8_folds: int = 0, group_size: int = 256
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    key: str,
+    int8_folds: int = 0,
+    group_size: int = 256,
+    rtol: float = WEIGHT_RTOL,
+    atol: float = WEIGHT_ATOL,
 ) -> None:
-    """Merged weights of a multi-rank run against one process: within rtol=1e-4, atol=1e-5 (fp32 sums in
+    """Merged weights of a multi-rank run against one process: within `rtol`, `atol` (fp32 sums in
     another order), except, when W0 is INT8 with stochastic rounding (``int8_folds`` = folds of the run),
     at most ``CODE_FLIPS_PER_FOLD`` elements per fold that differ by at most one quantization step of their
     W0 block: a last-bit difference of a folded value (two ranks reduce in another order than one process)
     moves ``floor(v + u)`` across an integer when ``v + u`` lies within that bit of it, on any machine whose
     reduction order differs. Which elements flip depends on the machine's summation order; how many can is
     bounded by how rarely ``v + u`` lands that close to an integer."""
-    close = torch.isclose(got, expected, rtol=1e-4, atol=1e-5)
+    close = torch.isclose(got, expected, rtol=rtol, atol=atol)
     if int8_folds == 0 or bool(close.all()):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=key)
         return
     flat = expected.detach().float().reshape(-1)
     pad = -flat.numel() % group_size
@@ -81,7 +96,7 @@ def assert_weights_match(
     limit = CODE_FLIPS_PER_FOLD * int8_folds
     count, worst = int(off.sum()), float(steps.max())
     assert count <= limit and worst <= 1.05, (
-        f"{key}: {count} elements differ beyond rtol=1e-4/atol=1e-5 (allowed: {limit}, i.e. {CODE_FLIPS_PER_FOLD} "
+        f"{key}: {count} elements differ beyond rtol={rtol:g}/atol={atol:g} (allowed: {limit}, i.e. {CODE_FLIPS_PER_FOLD} "
         f"per fold x {int8_folds} folds of the INT8 W0), the largest by {worst:.3f} quantization steps of its "
         "block (allowed: 1)"
     )
@@ -97,9 +112,8 @@ def int8_folds(preset: str, single: dict) -> int:
 
 def assert_matches(single: dict, multi: dict, *, int8_folds: int = 0) -> None:
     assert single["refreshes"] == multi["refreshes"] >= 3  # calibration + refreshes at steps 10 and 20
-    # fp32 sums in a different order (reduce-scatter / all-reduce of two halves vs one batch): measured
-    # deviations are ~2e-7 relative on losses and weights; 1e-4 is the bound the issue sets.
-    torch.testing.assert_close(torch.tensor(multi["losses"]), torch.tensor(single["losses"]), rtol=1e-4, atol=1e-6)
+    # fp32 sums in a different order: see LOSS_RTOL for what was measured
+    torch.testing.assert_close(torch.tensor(multi["losses"]), torch.tensor(single["losses"]), rtol=LOSS_RTOL, atol=0)
     assert single["weights"].keys() == multi["weights"].keys()
     for key, expected in single["weights"].items():
         assert_weights_match(multi["weights"][key], expected, key=key, int8_folds=int8_folds)
