@@ -346,3 +346,10 @@ def test_planner_cli_reports_host_bytes_and_refuses_sharding_engines(tmp_path, c
     argv = common + ["--optim-args", "state_offload=cpu", "--world-size", "2", "--engine", "zero3"]
     assert main(argv) == 2
     assert "offload_optimizer" in capsys.readouterr().err
+
+
+def test_optimizer_and_config_accept_the_same_offload_values():
+    from hf_galore_plugin import config
+    from hf_galore_plugin.optim import offload
+
+    assert offload.STATE_OFFLOAD == config.STATE_OFFLOAD

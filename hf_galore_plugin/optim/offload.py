@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hf_galore_plugin.config import STATE_OFFLOAD
 
 __all__ = [
     "STATE_OFFLOAD",
@@ -44,6 +43,10 @@ __all__ = [
     "host_allocation",
     "allocating_on_host",
 ]
+
+# The values of GaLoreConfig.state_offload (the config unit sits beside this one, not below it, so the
+# tuple is repeated there; tests/test_state_offload.py checks that both agree).
+STATE_OFFLOAD = ("none", "cpu")
 
 DEFAULT_CHUNK_MB = 16.0
 _ALIGN_BYTES = 64  # every staged tensor starts at a multiple of 64 bytes of its slot
