@@ -5,7 +5,9 @@
 #   2. fused 8-bit AdamW kernel throughput vs torch fused AdamW and bitsandbytes AdamW8bit,
 #   3. step time and peak torch.cuda.max_memory_allocated of a ~1.1B Llama (hidden 2048, intermediate
 #      5504, 22 layers, bf16) for AdamW, bitsandbytes AdamW8bit (if importable) and our three presets,
-#      each method in its own process so peaks do not mix.
+#      each method in its own process so peaks do not mix,
+#   4. offloaded optimizer state (state_offload="cpu"): the CUDA path's bit-identity test (pinned host
+#      state, side-stream copies) and step time with and without offload, fp32 and 8-bit state.
 # Usage: bash benchmarks/gpu.sh [OUT_DIR]       (default outputs/gpu)
 # Writes OUT_DIR/gpu.md (all tables, with date and device, to copy into BENCHMARKS.md) and gpu.log.
 # Without CUDA it runs nothing and exits with status 2 and a message saying why.
@@ -49,6 +51,9 @@ for method in adamw bnb_adamw8bit galore_adamw galore_adamw_8bit qgalore_adamw_8
   run "1B step: $method" 75 "$PYTHON" benchmarks/gpu_step.py step --method "$method" --out "$OUT"
 done
 "$PYTHON" benchmarks/gpu_step.py table --out "$OUT" >> "$LOG" 2>&1
+run "offloaded state: CUDA bit-identity" 90 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_state_offload.py -k cuda
+run "offloaded state: fp32 step time" 60 "$PYTHON" benchmarks/offload.py --device cuda --hidden 2048 --vocab 128256 --dtype bf16 --steps 10 --json "$OUT/offload_fp32.json"
+run "offloaded state: 8-bit step time" 60 "$PYTHON" benchmarks/offload.py --device cuda --hidden 2048 --vocab 128256 --dtype bf16 --state-bits 8 --error-feedback --steps 10 --json "$OUT/offload_8bit.json"
 
 {
   echo "## GPU"
@@ -71,6 +76,13 @@ done
   echo "### 1.1B Llama step (bf16, batch 4 x 512)"
   echo
   cat "$OUT/step.md" 2>/dev/null || echo "(not measured: see gpu.log)"
+  echo
+  echo "### Offloaded optimizer state (benchmarks/offload.py, 128256 x 2048 embedding and head, bf16)"
+  echo
+  for f in "$OUT"/offload_fp32.json "$OUT"/offload_8bit.json; do
+    [ -f "$f" ] && "$PYTHON" -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1])), indent=1))' "$f"
+  done
+  grep -A3 "offloaded state" "$LOG" | grep -E "passed|failed" | tail -1 || true
 } > "$OUT/gpu.md"
 cat "$OUT/gpu.md"
 echo "wrote $OUT/gpu.md and $LOG"
