@@ -405,8 +405,8 @@ def _device_semantics(device: str):
 def _two_error_chunks():
     """Under fake tensors, the quantization-error measure (layers._relative_rms) runs its first two chunks
     only: every later chunk allocates and frees the same temporaries as the second (the last one fewer),
-    so the peak is unchanged, and its value is unknown under fake tensors anyway. A 70B layer has 56
-    chunks: the full loop was half of a Q-GaLore trace's time."""
+    so the peak is unchanged, and its value is unknown under fake tensors anyway. A 70B MLP weight has 56
+    chunks, each several dispatches through the fake mode: the whole loop dominates a Q-GaLore trace."""
     from .. import layers
 
     exact_measure = layers._relative_rms
