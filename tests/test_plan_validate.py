@@ -11,6 +11,7 @@ but the allocator returns before the peak.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import subprocess
 import sys
@@ -57,3 +58,27 @@ def test_worker_resets_the_rss_high_water_mark():
     ok, before, after = out.stdout.split()
     assert ok == "True"
     assert int(before) - int(after) >= 150 << 10  # the 200 MiB touched before the reset no longer counts
+
+
+@pytest.mark.parametrize("numel", [4500, 2000, 700])
+def test_two_chunk_error_measure_has_the_peak_of_the_full_loop(numel):
+    # Oracle: the full chunked loop of layers._relative_rms under the same fake-tensor accounting. The
+    # planner's shortcut (two chunks) must reach the same peak and leave the same bytes alive.
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_galore_plugin import layers
+    from hf_galore_plugin.plan.trace import _two_error_chunks
+    from hf_galore_plugin.plan.tracker import LiveBytes
+
+    def run(shortcut: bool) -> tuple[int, int]:
+        tracker = LiveBytes(scalar_fallback=True)
+        with FakeTensorMode(), tracker:
+            approx, exact = torch.empty(numel), torch.empty(numel, dtype=torch.bfloat16)
+            exact = exact.to(torch.float32)
+            with _two_error_chunks() if shortcut else contextlib.nullcontext():
+                layers._relative_rms(approx, exact, 1000)
+            del approx, exact
+        return tracker.peak, tracker.total
+
+    assert run(shortcut=True) == run(shortcut=False)
