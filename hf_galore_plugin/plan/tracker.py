@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..optim.offload import allocating_on_host
 
@@ -141,12 +140,16 @@ class LiveBytes(TorchDispatchMode):
     def _update_region(self, args, kwargs) -> None:
         regions = set()
         owned = False
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
-                entry = self.live.get(leaf.untyped_storage()._cdata)
-                if entry is not None and entry.serial in self.region_of:
-                    regions.add(self.region_of[entry.serial])
-                elif entry is not None and entry.serial in self.unowned:
+        live, region_of, unowned = self.live, self.region_of, self.unowned
+        for leaf in _tensors((args, kwargs)):
+            if leaf.layout == torch.strided:
+                entry = live.get(leaf.untyped_storage()._cdata)
+                if entry is None:
+                    continue
+                region = region_of.get(entry.serial)
+                if region is not None:
+                    regions.add(region)
+                elif entry.serial in unowned:
                     owned = True
         if len(regions) == 1 and not owned:
             region = regions.pop()
@@ -173,7 +176,26 @@ class LiveBytes(TorchDispatchMode):
                 return 1.0 if dtype.is_floating_point else 1
         out = func(*args, **kwargs)
         track = self.track_host if allocating_on_host() else self.track
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
+        if isinstance(out, torch.Tensor):
+            track(out)
+        else:
+            for leaf in _tensors(out):
                 track(leaf)
         return out
+
+
+def _tensors(obj):
+    """The tensors in an op's arguments or outputs (nested tuples, lists and dicts: the containers aten
+    signatures use), in order. A direct walk: the tracker runs it for every op, where torch's generic
+    pytree flattening costs more than the bookkeeping itself."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (tuple, list, dict)):
+                yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
