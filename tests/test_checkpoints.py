@@ -18,9 +18,10 @@ import torch
 import hf_galore_plugin as hgp
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import LlamaForCausalLM, Trainer  # noqa: E402
 from conftest import build_tiny_llama  # noqa: E402
 from conftest import token_data as shared_token_data  # noqa: E402
+from conftest import training_args  # noqa: E402
 
 from hf_galore_plugin.api import GaLoreCheckpointError  # noqa: E402
 from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME  # noqa: E402
@@ -49,25 +50,10 @@ def token_data(n: int = 32, seed: int = 1) -> list[dict[str, torch.Tensor]]:
 
 
 def make_trainer(output_dir, *, optim_args=ARGS, seed=0, data_seed=1, **overrides) -> Trainer:
-    kwargs = dict(
-        output_dir=str(output_dir),
-        optim="galore_adamw",
-        optim_args=optim_args,
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=2,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+    args = training_args(
+        output_dir, **{"optim_args": optim_args, "save_strategy": "steps", "save_steps": 2, **overrides}
     )
-    kwargs.update(overrides)
-    return Trainer(model=tiny_llama(seed), args=TrainingArguments(**kwargs), train_dataset=token_data(seed=data_seed))
+    return Trainer(model=tiny_llama(seed), args=args, train_dataset=token_data(seed=data_seed))
 
 
 @pytest.fixture(scope="module")
@@ -256,27 +242,8 @@ def _peft_trainer(output_dir, **overrides):
     model = peft.get_peft_model(
         tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["down_proj"])
     )
-    kwargs = dict(
-        output_dir=str(output_dir),
-        optim="galore_adamw",
-        optim_args=ARGS,
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=2,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return Trainer(
-        model=model, args=TrainingArguments(**kwargs), train_dataset=token_data(), eval_dataset=token_data(8)
-    )
+    args = training_args(output_dir, **{"optim_args": ARGS, "save_strategy": "steps", "save_steps": 2, **overrides})
+    return Trainer(model=model, args=args, train_dataset=token_data(), eval_dataset=token_data(8))
 
 
 def test_peft_modules_to_save_resume_is_exact(tmp_path):

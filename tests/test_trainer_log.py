@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from conftest import build_tiny_llama  # noqa: E402
+from conftest import training_args as shared_training_args  # noqa: E402
 
 PREFIX = galore_callback.LOG_PREFIX
 
@@ -36,24 +37,10 @@ def token_data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]]:
 
 
 def training_args(tmp_path, optim_args: str, **overrides) -> TrainingArguments:
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        optim="galore_adamw",
-        optim_args=optim_args,
-        max_steps=50,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=10,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+    """The shared Trainer-test arguments for a 50-step run logging every 10 steps."""
+    return shared_training_args(
+        tmp_path, **{"optim_args": optim_args, "max_steps": 50, "logging_steps": 10, **overrides}
     )
-    kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
 
 
 class Recorder(TrainerCallback):
