@@ -7,13 +7,14 @@ merged weights (gathered to full tensors) and per-layer base multipliers of rank
 """
 
 import contextlib
-import gc
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from _teardown import shut_down
 
 from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, merged_state_dict, prepare_model
 
@@ -158,14 +159,8 @@ def main(out: str) -> None:
     }
     if rank == 0:
         torch.save({"losses": losses, "refreshes": refreshes, "weights": weights, "multipliers": multipliers}, out)
-    if distributed:
-        # Every rank finishes its collectives, and engine wrappers (DDP's reducer threads) are gone,
-        # before the process group is torn down.
-        dist.barrier()
-        del model
-        gc.collect()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    shut_down()

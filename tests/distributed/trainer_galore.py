@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from _teardown import shut_down
+
 import hf_galore_plugin as hgp
 from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME
 from hf_galore_plugin.engines.deepspeed import is_zero3_partitioned
@@ -211,12 +213,8 @@ def main(out: str, model_dir: str) -> None:
         result["resumed_weights"] = load_file(str(resumed_final / "model.safetensors"))
         result["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
         torch.save(result, out)
-    if dist.is_initialized():
-        dist.barrier()
-        # Tear the process group down before exit: a gloo group left to interpreter shutdown was seen
-        # to abort one rank ("terminate called without an active exception") after a passing run.
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    shut_down()
