@@ -541,12 +541,13 @@ def save_galore_checkpoint(
     fsync_folder(folder)
 
 
-def fsync_folder(folder: str) -> None:
-    """Make renames and new files in `folder` durable (no-op where folders cannot be opened)."""
+def fsync_path(path: str) -> None:
+    """Flush a file, or a folder's entries (renames, new files), to disk; a no-op where the path cannot
+    be opened or the file system does not sync it."""
     import os
 
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
@@ -555,6 +556,11 @@ def fsync_folder(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def fsync_folder(folder: str) -> None:
+    """Make renames and new files in `folder` durable (no-op where folders cannot be opened)."""
+    fsync_path(folder)
 
 
 def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> dict[str, Any]:

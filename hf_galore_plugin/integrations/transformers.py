@@ -971,16 +971,7 @@ def _fsync_tree(folder: str) -> None:
     reach the disk before they do (power loss). transformers itself does not fsync."""
     for root, _, files in os.walk(folder):
         for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            _api.fsync_path(os.path.join(root, name))
         _api.fsync_folder(root)
 
 
