@@ -56,6 +56,22 @@ _ZERO_OFFLOAD_ALTERNATIVE = (
 )
 
 
+def _zero(label: str, factor_layout: str, *, refresh_gather: str = "none") -> EngineCapabilities:
+    """A DeepSpeed ZeRO stage: fp32 master copy, flat partitions, one step counter per flat group (moments
+    of some factors reset while the group's bias correction runs on)."""
+    return EngineCapabilities(
+        label=label,
+        factor_layout=factor_layout,
+        refresh_gather=refresh_gather,
+        master_copy=True,
+        project_moments="none",
+        exact_partial_reset=False,
+        project_reason=_ZERO_REASON,
+        state_offload_reason=_ZERO_OFFLOAD_REASON,
+        state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
+    )
+
+
 CAPABILITIES: dict[str, EngineCapabilities] = {
     "single": EngineCapabilities(
         label="a single process",
@@ -101,38 +117,14 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
             "fsdp_offload_params: true), which keeps parameters, gradients and optimizer state on the host"
         ),
     ),
-    "zero1": EngineCapabilities(
-        label="DeepSpeed ZeRO-1",
-        factor_layout="whole 2-D parameters; fp32 master and optimizer state in flat partitions",
-        refresh_gather="none",
-        master_copy=True,
-        project_moments="none",
-        exact_partial_reset=False,  # one step counter per flat group: moments reset, bias correction runs on
-        project_reason=_ZERO_REASON,
-        state_offload_reason=_ZERO_OFFLOAD_REASON,
-        state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
+    "zero1": _zero("DeepSpeed ZeRO-1", "whole 2-D parameters; fp32 master and optimizer state in flat partitions"),
+    "zero2": _zero(
+        "DeepSpeed ZeRO-2", "whole 2-D parameters; fp32 master, gradients and optimizer state in flat partitions"
     ),
-    "zero2": EngineCapabilities(
-        label="DeepSpeed ZeRO-2",
-        factor_layout="whole 2-D parameters; fp32 master, gradients and optimizer state in flat partitions",
-        refresh_gather="none",
-        master_copy=True,
-        project_moments="none",
-        exact_partial_reset=False,  # one step counter per flat group: moments reset, bias correction runs on
-        project_reason=_ZERO_REASON,
-        state_offload_reason=_ZERO_OFFLOAD_REASON,
-        state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
-    ),
-    "zero3": EngineCapabilities(
-        label="DeepSpeed ZeRO-3",
-        factor_layout="every parameter partitioned (empty placeholders with ds_shape)",
+    "zero3": _zero(
+        "DeepSpeed ZeRO-3",
+        "every parameter partitioned (empty placeholders with ds_shape)",
         refresh_gather="GatheredParameters((W0, B), modifier_rank=0), one layer at a time",
-        master_copy=True,
-        project_moments="none",
-        exact_partial_reset=False,
-        project_reason=_ZERO_REASON,
-        state_offload_reason=_ZERO_OFFLOAD_REASON,
-        state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
     ),
 }
 
