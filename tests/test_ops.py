@@ -186,3 +186,13 @@ def test_dispatch_setting_is_read_once_at_import(python_subprocess):
         env={"HF_GALORE_DISABLE_TRITON": "1", "TRITON_INTERPRET": "1"},
     )
     assert result.stdout.split()[-5:] == ["(True,", "True,", "False)", "False", "True"]
+
+
+def test_step_entry_point_refuses_partial_error_feedback_state():
+    """The residual tensors of error feedback come as all four or none: a partial set would make the torch
+    step and the kernel disagree about which moments carry a residual."""
+    tensors = list(_step_args(error_feedback=True)[:10])
+    tensors[8] = None
+    hyper = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
+    with pytest.raises(ValueError, match=r"all given or all None, got \['given', 'given', None, 'given'\]"):
+        adamw8bit_step(*tensors, **hyper)
