@@ -196,3 +196,23 @@ def test_step_entry_point_refuses_partial_error_feedback_state():
     hyper = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
     with pytest.raises(ValueError, match=r"all given or all None, got \['given', 'given', None, 'given'\]"):
         adamw8bit_step(*tensors, **hyper)
+
+
+@pytest.mark.parametrize("storage", ["int8", "nf4"])
+def test_quantized_layer_compiles_through_the_ops(storage, implementation):
+    """A GaLore layer with a quantized W0 compiles (inductor) without graph breaks and gives the eager
+    output bit for bit: dynamo sees each op through its fake registration and does not trace into the
+    Triton launcher (which, traced, fails under the interpreter) or the twin."""
+    from torch import nn
+
+    from hf_galore_plugin.api import prepare_model
+    from hf_galore_plugin.config import GaLoreConfig
+
+    torch.manual_seed(0)
+    model = prepare_model(nn.Sequential(nn.Linear(64, 96)), GaLoreConfig(rank=4, weight_storage=storage))
+    x = torch.randn(4, 64)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(model, backend="inductor")(x), model(x))
+    torch._dynamo.reset()
