@@ -60,7 +60,7 @@ def _median_seconds(fn, device: torch.device, warmup: int, repeats: int) -> floa
 def kernel(args: argparse.Namespace) -> None:
     """One AdamW step over n values: ours (8-bit blockwise, Triton), torch fused AdamW (fp32 state),
     bitsandbytes AdamW8bit. Bytes moved = what the step must read and write at least."""
-    from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step
+    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step
 
     device = torch.device(args.device)
     n = args.numel

@@ -33,7 +33,7 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from hf_galore_plugin.kernels import adamw8bit  # noqa: E402
+from hf_galore_plugin.optim import adamw8bit  # noqa: E402
 from hf_galore_plugin.optim import AdamW  # noqa: E402
 
 BLOCK = 256

@@ -1,17 +1,26 @@
-"""Small shared helpers: optional-dependency checks and the Triton dispatch rule.
+"""Small shared helpers: optional-dependency checks and the kernel dispatch setting.
 
 Nothing here imports triton, transformers or deepspeed at module import time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
 
 import torch
 
-__all__ = ["is_triton_available", "use_triton", "is_package_available", "require", "EXTRAS"]
+__all__ = [
+    "is_triton_available",
+    "use_triton",
+    "KernelDispatch",
+    "KERNEL_DISPATCH",
+    "is_package_available",
+    "require",
+    "EXTRAS",
+]
 
 # Optional dependency -> the extra of this package that installs it.
 EXTRAS = {"deepspeed": "deepspeed", "peft": "peft", "triton": "triton"}
@@ -42,19 +51,43 @@ def is_triton_available() -> bool:
     return is_package_available("triton")
 
 
-def _interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+@dataclasses.dataclass
+class KernelDispatch:
+    """Which implementation the `torch.ops.hf_galore` custom ops run, set once at import.
+
+    The ops are registered with a CPU implementation (the torch twin) and a CUDA implementation
+    (the Triton kernel); the dispatcher picks one by the device of the tensors. Two exceptions,
+    read from the environment when this module is imported (never per call):
+
+    - `triton_disabled` (`HF_GALORE_DISABLE_TRITON=1`): CUDA tensors run the torch twins too
+      (for debugging a kernel suspicion).
+    - `triton_on_cpu` (`TRITON_INTERPRET=1`, which must be set before triton is imported anyway):
+      CPU tensors run the Triton kernels in Triton's interpreter (how the tests run the kernels).
+
+    `inline_twins`: the Python entry points (`quant.ops.*`, `optim.adamw8bit.adamw8bit_step`) call
+    the torch twins as plain torch code instead of the custom ops, so a dispatch mode sees their
+    temporaries (the memory planner's CPU trace; off by default).
+
+    Change the setting in a process by assigning the attributes of `KERNEL_DISPATCH` (in tests:
+    `monkeypatch.setattr(KERNEL_DISPATCH, "triton_disabled", True)`, which restores it afterwards).
+    """
+
+    triton_disabled: bool = False
+    triton_on_cpu: bool = False
+    inline_twins: bool = False
+
+
+KERNEL_DISPATCH = KernelDispatch(
+    triton_disabled=os.environ.get("HF_GALORE_DISABLE_TRITON", "0") == "1",
+    triton_on_cpu=os.environ.get("TRITON_INTERPRET", "0") == "1",
+)
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """Whether an op on `tensor` should run its Triton kernel instead of its torch twin.
-
-    Triton kernels run on CUDA tensors. On CPU they run only under the Triton interpreter
-    (`TRITON_INTERPRET=1`, which tests set); everywhere else the torch twin is the CPU path.
-    `HF_GALORE_DISABLE_TRITON=1` forces the torch twins (for debugging a kernel suspicion).
-    """
-    if os.environ.get("HF_GALORE_DISABLE_TRITON", "0") == "1" or not is_triton_available():
+    """Whether an op on `tensor` runs its Triton kernel instead of its torch twin (`KERNEL_DISPATCH`):
+    CUDA tensors, and CPU tensors with `triton_on_cpu`; never with `triton_disabled` or without triton."""
+    if KERNEL_DISPATCH.triton_disabled or not is_triton_available():
         return False
     if tensor.is_cuda:
         return True
-    return _interpret_mode() and tensor.device.type == "cpu"
+    return KERNEL_DISPATCH.triton_on_cpu and tensor.device.type == "cpu"

@@ -110,6 +110,16 @@ def torch_round_trip(obj: Any) -> Any:
     return torch.load(buffer, weights_only=True)
 
 
+def use_torch_twins(monkeypatch) -> None:
+    """Run the torch twins instead of the Triton kernels until `monkeypatch` undoes it: in this process
+    (`KERNEL_DISPATCH`, which reads HF_GALORE_DISABLE_TRITON once at import) and in the processes the
+    test starts (the environment variable)."""
+    from hf_galore_plugin.utils import KERNEL_DISPATCH
+
+    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    monkeypatch.setattr(KERNEL_DISPATCH, "triton_disabled", True)
+
+
 @pytest.fixture
 def tiny_llama():
     """:func:`build_tiny_llama`: ``tiny_llama(hidden_size=256, seed=1)``."""

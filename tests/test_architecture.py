@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "codes": set(),
     "projection": set(),
-    "kernels": {"utils", "codes"},
+    "kernels": {"codes"},
     "quant": {"utils", "codes", "kernels"},
     "engines": {"utils", "config"},
     "layers": {"config", "projection", "quant", "engines"},
@@ -218,6 +218,39 @@ def test_the_graph_reader_sees_lazy_and_relative_imports():
         ["code_dtype", "code_levels", "grid_table", "nibble_offset", "packed_numel"],
     ) in EDGES
     assert ("", "quant", []) in EDGES
+
+
+def test_kernels_hold_triton_code_only():
+    """Every module of `kernels` imports triton at its top level and defines Triton kernels and their
+    launchers; the torch twins live beside their public functions (quant.functional, optim.adamw8bit)."""
+    bad = []
+    for module, path in MODULES.items():
+        if not module.startswith(f"{PACKAGE}.kernels."):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        top_imports = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+        if "triton" not in top_imports:
+            bad.append(f"{module} does not import triton at its top level")
+        functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+        jitted = [f for f in functions if any(ast.unparse(d) == "triton.jit" for d in f.decorator_list)]
+        if not jitted:
+            bad.append(f"{module} defines no @triton.jit kernel")
+        bad += [f"{module} defines the torch twin {f.name}" for f in functions if f.name.endswith("_torch")]
+    assert not bad, "\n".join(bad)
+
+
+def test_one_blockwise_quantization_stack():
+    """`quantize_blockwise`, `dequantize_blockwise` and `blockwise_stats` are defined once, as the entry points
+    of `quant.ops` (a second quantizer gets a name of its own, as `quant.dynamic` does)."""
+    names = {"quantize_blockwise", "dequantize_blockwise", "blockwise_stats"}
+    where = sorted(
+        (module.partition(".")[2], node.name)
+        for module, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.FunctionDef) and node.name in names
+    )
+    assert where == [("quant.ops", "blockwise_stats"), ("quant.ops", "dequantize_blockwise"),
+                     ("quant.ops", "quantize_blockwise")], where  # fmt: skip
 
 
 def test_importing_quant_imports_no_optional_dependency(python_subprocess):

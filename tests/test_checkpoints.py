@@ -20,6 +20,7 @@ import hf_galore_plugin as hgp
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaForCausalLM, Trainer  # noqa: E402
 from conftest import build_tiny_llama  # noqa: E402
+from conftest import use_torch_twins  # noqa: E402
 from conftest import token_data as shared_token_data  # noqa: E402
 from conftest import training_args  # noqa: E402
 
@@ -31,7 +32,7 @@ ARGS = "rank=4,update_proj_gap=2"
 
 @pytest.fixture(autouse=True)
 def _torch_twins(monkeypatch):
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    use_torch_twins(monkeypatch)
 
 
 # A smaller Llama than the shared one: these tests save and reload many checkpoints.
@@ -60,8 +61,9 @@ def make_trainer(output_dir, *, optim_args=ARGS, seed=0, data_seed=1, **override
 def run_dir(tmp_path_factory):
     """One run with checkpoint-2 and checkpoint-4 (each with galore_state.pt)."""
     out = tmp_path_factory.mktemp("run")
-    os.environ["HF_GALORE_DISABLE_TRITON"] = "1"
-    make_trainer(out).train()
+    with pytest.MonkeyPatch.context() as patch:
+        use_torch_twins(patch)
+        make_trainer(out).train()
     return out
 
 

@@ -7,12 +7,14 @@ from pathlib import Path
 import pytest
 from torch import nn
 
+from conftest import use_torch_twins
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plain_pytorch.py"
 
 
 @pytest.mark.parametrize("preset", ["galore_adamw", "qgalore_adamw_8bit"])
 def test_plain_pytorch_example_learns(preset, monkeypatch):
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    use_torch_twins(monkeypatch)
     spec = importlib.util.spec_from_file_location("plain_pytorch_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -25,6 +25,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
 from conftest import build_tiny_llama, logged_losses, token_data, training_args  # noqa: E402
+from conftest import use_torch_twins  # noqa: E402
 
 losses = logged_losses
 
@@ -38,7 +39,7 @@ STEPS = 4  # with update_proj_gap=3: bases at step 0 and 3, so step 4 trains in 
 
 @pytest.fixture(autouse=True)
 def _torch_twins_and_clean_environment(monkeypatch):
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")  # see test_integration_trainer.py
+    use_torch_twins(monkeypatch)  # see test_integration_trainer.py
     # TrainingArguments writes accelerate's settings into os.environ (ACCELERATE_DYNAMO_BACKEND for
     # torch_compile, ACCELERATE_USE_DEEPSPEED): later Trainers would inherit them
     saved = dict(os.environ)
@@ -55,7 +56,7 @@ def refresh_counts(model: nn.Module) -> list[int]:
 def fp32_run(tmp_path_factory):
     """The reference: galore_adamw in fp32 eager, STEPS steps."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+        use_torch_twins(patch)
         model = tiny_llama()
         trainer = Trainer(
             model=model,

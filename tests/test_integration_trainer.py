@@ -19,13 +19,14 @@ from transformers import LlamaForCausalLM, Trainer, TrainerCallback  # noqa: E40
 
 from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME, GaLoreCallback  # noqa: E402
 from conftest import RANK_ARGS, build_tiny_llama, logged_losses, run_python, token_data, training_args  # noqa: E402
+from conftest import use_torch_twins  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _torch_twins(monkeypatch):
     # The Triton kernels are tested against their torch twins elsewhere; under TRITON_INTERPRET=1
     # a Q-GaLore Trainer run takes ~2 min instead of ~10 s. The integration runs the twins.
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    use_torch_twins(monkeypatch)
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:

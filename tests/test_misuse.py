@@ -15,6 +15,7 @@ import hf_galore_plugin as hgp
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 from conftest import build_tiny_llama  # noqa: E402
+from conftest import use_torch_twins  # noqa: E402
 from conftest import token_data as shared_token_data  # noqa: E402
 
 from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
@@ -22,7 +23,7 @@ from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _torch_twins(monkeypatch):
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    use_torch_twins(monkeypatch)
 
 
 # A smaller Llama than the shared one: these tests only need a model to misuse.

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from hf_galore_plugin.optim import AdamW
 
+from conftest import use_torch_twins
+
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -24,7 +26,7 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 def _torch_twin_single_thread(monkeypatch):
     # conftest turns the Triton interpreter on for CPU tensors; these tests exercise the twin
     # (the CPU path users get) and would take minutes through the interpreter.
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    use_torch_twins(monkeypatch)
     # These tensors are tiny (8192 values): one thread runs a 500-step training in ~2 s, while
     # two threads on a loaded 2-core machine took 9-20 s (measured), all in thread hand-offs.
     threads = torch.get_num_threads()
@@ -488,7 +490,7 @@ def test_8bit_small_second_moment_next_to_a_large_one_does_not_blow_up(gb):
 
 
 def test_second_moment_floor_never_binds_on_exact_moments():
-    from hf_galore_plugin.kernels.adamw8bit import second_moment_floor
+    from hf_galore_plugin.optim.adamw8bit import second_moment_floor
 
     k = second_moment_floor(beta1=0.9, beta2=0.999)
     assert k == pytest.approx(1 / 52.9, rel=1e-3)
@@ -507,7 +509,7 @@ def test_second_moment_floor_never_binds_on_exact_moments():
 def test_nearest_code_index_equals_sorted_search():
     """The bucket table gives #(midpoints < y) exactly: on random values over all decades, on every
     midpoint and its 4 fp32 neighbours either side, and on signed zeros, +-1 and subnormals."""
-    from hf_galore_plugin.kernels.adamw8bit import dynamic_code_book, nearest_code_index
+    from hf_galore_plugin.quant.dynamic import dynamic_code_book, nearest_code_index
 
     g = torch.Generator().manual_seed(0)
     for signed in (True, False):
@@ -536,7 +538,7 @@ def _eight_bit_state(n, error_feedback, block=256):
 
 
 def _twin_runs(n, *, error_feedback, backends, dtype=torch.float32, steps=3):
-    from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step_torch
+    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
 
     g = torch.Generator().manual_seed(n)
     start = torch.randn(n, generator=g).to(dtype)
@@ -574,7 +576,7 @@ def test_8bit_build_failures_fall_back_to_eager_with_one_warning_each(monkeypatc
 
     import torch.utils.cpp_extension as cpp_extension
 
-    from hf_galore_plugin.kernels import adamw8bit
+    from hf_galore_plugin.optim import adamw8bit
 
     def broken_compile(fn, **kwargs):
         def call(*args, **kw):
@@ -604,7 +606,7 @@ def test_8bit_build_failures_fall_back_to_eager_with_one_warning_each(monkeypatc
 def test_8bit_compile_off_by_environment_never_builds(monkeypatch):
     import torch.utils.cpp_extension as cpp_extension
 
-    from hf_galore_plugin.kernels import adamw8bit
+    from hf_galore_plugin.optim import adamw8bit
 
     def never(*args, **kwargs):
         raise AssertionError("a build was attempted although HF_GALORE_COMPILE=0")
@@ -617,7 +619,7 @@ def test_8bit_compile_off_by_environment_never_builds(monkeypatch):
 
 
 def test_8bit_backend_argument_is_checked():
-    from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step_torch
+    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
 
     state = _eight_bit_state(300, False)
     hyper = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
@@ -639,7 +641,7 @@ def test_8bit_step_under_fake_tensors_never_builds_and_keeps_the_fast_path(monke
     import torch.utils.cpp_extension as cpp_extension
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hf_galore_plugin.kernels import adamw8bit
+    from hf_galore_plugin.optim import adamw8bit
     from hf_galore_plugin.plan.tracker import LiveBytes
 
     def never(*args, **kwargs):
@@ -665,9 +667,8 @@ def test_8bit_cpp_packed_lookup_equals_searchsorted_around_every_midpoint():
     # The C++ step's one-read code lookup (first | threshold << 8, compared on y's low bits) must give
     # #(midpoints < y) exactly: oracle torch.searchsorted, at and around every midpoint of both books,
     # both signs, zeros, tiny values, +-1 and values beyond the book.
-    from hf_galore_plugin.kernels.adamw8bit import (
-        LOOKUP_BASE, LOOKUP_BUCKETS, LOOKUP_SHIFT, _packed_lookup_table, dynamic_code_book,
-    )  # fmt: skip
+    from hf_galore_plugin.optim.adamw8bit import _packed_lookup_table
+    from hf_galore_plugin.quant.dynamic import LOOKUP_BASE, LOOKUP_BUCKETS, LOOKUP_SHIFT, dynamic_code_book
 
     g = torch.Generator().manual_seed(5)
     for signed in (True, False):
@@ -688,7 +689,7 @@ def test_8bit_cpp_packed_lookup_equals_searchsorted_around_every_midpoint():
 
 
 def _cpp_vs_eager(n, block_size, error_feedback, steps=3):
-    from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step_torch
+    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
 
     g = torch.Generator().manual_seed(n + block_size)
     start = torch.randn(n, generator=g)

@@ -14,11 +14,10 @@ import torch
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
 
-from hf_galore_plugin.kernels.adamw8bit import (  # noqa: E402
-    adamw8bit_step_torch,
-    adamw8bit_step_triton,
-)
+from hf_galore_plugin.kernels import adamw8bit as kernels  # noqa: E402
 from hf_galore_plugin.optim import AdamW  # noqa: E402
+from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch, adamw8bit_step_triton  # noqa: E402
+from hf_galore_plugin.utils import KERNEL_DISPATCH  # noqa: E402
 
 BLOCK = 256
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
@@ -98,10 +97,14 @@ def test_kernel_empty_launch_is_noop(error_feedback):
 
 
 def test_optimizer_dispatches_to_kernel(monkeypatch):
-    """AdamW(state_bits=8) through the dispatcher (kernel) equals the same run on the twin."""
+    """AdamW(state_bits=8) through the custom op runs the kernel (3 launches) and equals the same run on
+    the twin (KERNEL_DISPATCH.triton_disabled)."""
+    launches = []
+    launch = kernels.launch_adamw8bit_step
+    monkeypatch.setattr(kernels, "launch_adamw8bit_step", lambda *a, **k: launches.append(1) or launch(*a, **k))
 
     def train(disable_triton):
-        monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1" if disable_triton else "0")
+        monkeypatch.setattr(KERNEL_DISPATCH, "triton_disabled", disable_triton)
         p = torch.nn.Parameter(torch.randn(20, 250, generator=torch.Generator().manual_seed(0)).to(_device()))
         opt = AdamW([p], lr=1e-2, weight_decay=0.1, state_bits=8, error_feedback=True)
         g = torch.Generator().manual_seed(1)
@@ -110,4 +113,7 @@ def test_optimizer_dispatches_to_kernel(monkeypatch):
             opt.step()
         return p.detach()
 
-    torch.testing.assert_close(train(False), train(True), rtol=1e-6, atol=1e-6)
+    through_kernel = train(False)
+    assert len(launches) == 3
+    torch.testing.assert_close(through_kernel, train(True), rtol=1e-6, atol=1e-6)
+    assert len(launches) == 3

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+from conftest import use_torch_twins
+
 import hf_galore_plugin.quant as hq
 
 CONFIGS = list(hq.SCHEME_BITS)
@@ -43,7 +45,7 @@ PUBLISHED_NF4 = [
 
 @pytest.fixture(autouse=True)
 def _torch_twins(monkeypatch):
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    use_torch_twins(monkeypatch)
 
 
 def _randn(shape, dtype, seed=0):

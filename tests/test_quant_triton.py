@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 import hf_galore_plugin.quant as hq  # noqa: E402
 from hf_galore_plugin.quant import functional  # noqa: E402
-from hf_galore_plugin.utils import use_triton  # noqa: E402
+from hf_galore_plugin.utils import KERNEL_DISPATCH, use_triton  # noqa: E402
 
 if sys.platform != "linux":  # the one platform skip: Triton ships Linux wheels only (the [triton] extra)
     pytest.skip("platform: Triton kernels run on Linux only; elsewhere the torch twins run", allow_module_level=True)
@@ -38,7 +38,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch):
-    monkeypatch.delenv("HF_GALORE_DISABLE_TRITON", raising=False)
+    monkeypatch.setattr(KERNEL_DISPATCH, "triton_disabled", False)
 
 
 def _randn(shape, dtype, seed=0):
@@ -109,7 +109,7 @@ def test_public_quantize_dispatches_to_kernel_and_matches_twin(scheme, bits, mon
     # one call for the nested scales, one for the data
     assert len(calls) == 2
     kernel_out = through_kernel.dequantize()
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    monkeypatch.setattr(KERNEL_DISPATCH, "triton_disabled", True)
     through_twin = hq.quantize(x, generator=torch.Generator().manual_seed(3), **kwargs)
     kernel_state, twin_state = through_kernel.to_state()[0], through_twin.to_state()[0]
     assert all(torch.equal(kernel_state[k], twin_state[k]) for k in twin_state)

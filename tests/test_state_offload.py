@@ -17,8 +17,10 @@ from hf_galore_plugin.engines.capabilities import UnsupportedByEngine, check_sta
 from hf_galore_plugin.integrations.optim_args import parse_optim_args
 from hf_galore_plugin.optim import AdamW
 from hf_galore_plugin.optim.offload import bytes_per_value, chunk_bounds
+from hf_galore_plugin.utils import KERNEL_DISPATCH
 
 from conftest import build_tiny_llama, torch_round_trip
+from conftest import use_torch_twins  # noqa: E402
 
 TINY_CHUNK_MB = 10 / 1024  # 10 KiB of state per staging slot: ~1280 fp32-state values per chunk
 
@@ -27,7 +29,7 @@ TINY_CHUNK_MB = 10 / 1024  # 10 KiB of state per staging slot: ~1280 fp32-state 
 def _torch_twins(monkeypatch):
     # The 8-bit Triton kernel is tested against its torch twin elsewhere; through the interpreter
     # these multi-step runs would take minutes. Chunking is independent of which kernel runs.
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    use_torch_twins(monkeypatch)
 
 
 def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -312,6 +314,7 @@ def test_cuda_offloaded_step_and_transform_match_resident(state, monkeypatch):
     """On CUDA: pinned host state, copies on a side stream, and transform_state staging the state on
     the device; bit-identical to resident state on the same device."""
     monkeypatch.delenv("HF_GALORE_DISABLE_TRITON")  # the Triton kernel, as users get it on a GPU
+    monkeypatch.setattr(KERNEL_DISPATCH, "triton_disabled", False)
     resident = [torch.nn.Parameter(p.detach().cuda()) for p in _params(torch.float32)]
     offloaded = [torch.nn.Parameter(p.detach().cuda()) for p in _params(torch.float32)]
     opt_resident, opt_offloaded = _optimizer(resident, "none", **state), _optimizer(offloaded, "cpu", **state)

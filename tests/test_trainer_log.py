@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from conftest import build_tiny_llama  # noqa: E402
+from conftest import use_torch_twins  # noqa: E402
 from conftest import training_args as shared_training_args  # noqa: E402
 
 PREFIX = galore_callback.LOG_PREFIX
@@ -28,7 +29,7 @@ PREFIX = galore_callback.LOG_PREFIX
 @pytest.fixture(autouse=True)
 def _torch_twins(monkeypatch):
     # The Triton kernels are tested against their torch twins elsewhere; the integration runs the twins.
-    monkeypatch.setenv("HF_GALORE_DISABLE_TRITON", "1")
+    use_torch_twins(monkeypatch)
 
 
 def token_data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]]:

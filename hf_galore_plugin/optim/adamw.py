@@ -22,7 +22,7 @@ multiple of 64 values, and for every value the same as if its tensor were cut an
 `_FUSED_ALIGN`); any other fp32
 state (bf16/fp16 parameters, non-contiguous or non-CPU tensors) steps in `adamw_step_fp32`, torch's
 single-tensor op sequence. The two differ by fp32 rounding only (a few ulps after 100 steps,
-tests/test_optim.py). 8-bit state steps in `kernels.adamw8bit` (Triton on CUDA,
+tests/test_optim.py). 8-bit state steps in `optim.adamw8bit` (Triton on CUDA,
 the compiled torch twin on the CPU).
 Tensors with fewer than `min_8bit_numel` values keep fp32 state even when state_bits=8, as
 bitsandbytes does (its default threshold is 4096): for biases and norms the 8-bit saving is a
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from hf_galore_plugin.kernels.adamw8bit import dequantize_moment, quantize_moment
+from hf_galore_plugin.optim.adamw8bit import dequantize_moment, quantize_moment
 from hf_galore_plugin.optim.functional import (
     EIGHT_BIT_STATE_KEYS,
     RESIDUAL_STATE_KEYS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_galore_plugin.kernels.adamw8bit import adamw8bit_step
+from hf_galore_plugin.optim.adamw8bit import adamw8bit_step
 
 __all__ = ["adamw_step_fp32", "adamw_step_8bit", "EIGHT_BIT_STATE_KEYS", "RESIDUAL_STATE_KEYS"]
 

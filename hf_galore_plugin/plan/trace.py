@@ -15,7 +15,6 @@ state, tensors made in the forward and still alive (activations), and the rest (
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,35 +221,6 @@ BASELINES = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora")
 LR = 1e-4
 
 
-def _kernel_quant_implementation(name: str, tensor: torch.Tensor):
-    """Memory behaviour of the blockwise quantization kernels on a GPU (kernels/quant.py): each
-    allocates its outputs only (codes, block scales and zero points; the dequantized values) and
-    keeps every intermediate in registers, where the torch twins make full-size fp32 and int64
-    temporaries."""
-    from ..quant.functional import code_dtype, packed_numel
-
-    def stats(x, *, scheme, bits, block_size):
-        blocks = -(-x.numel() // block_size)
-        scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
-        return scales, (torch.empty_like(scales) if scheme == "asymmetric" else None)
-
-    def quantize(x, *, scheme, bits, block_size, randoms=None, scales=None, zero_points=None):
-        codes = torch.empty(packed_numel(x.numel(), bits), dtype=code_dtype(scheme, bits), device=x.device)
-        if scales is None:
-            scales, zero_points = stats(x, scheme=scheme, bits=bits, block_size=block_size)
-        return codes, scales, zero_points
-
-    def dequantize(codes, scales, zero_points, *, scheme, bits, block_size, numel, dtype):
-        return torch.empty(numel, dtype=dtype, device=codes.device)
-
-    return {"blockwise_stats": stats, "quantize_blockwise": quantize, "dequantize_blockwise": dequantize}[name]
-
-
-def _fused_adamw8bit_step(param, grad, *state, **kwargs) -> None:
-    """Memory behaviour of the fused 8-bit AdamW kernel on a GPU: every tensor updated in place,
-    nothing allocated (the Triton kernel and bitsandbytes' blockwise kernel both work in registers)."""
-
-
 def _setup(method: str, model: nn.Module, settings: Settings):
     """(optimizer, after_step, traced, notes) for `method` on `model` (modified in place)."""
     notes: list[str] = []
@@ -379,34 +349,28 @@ def _restage(model: nn.Module, member) -> None:
 
 @contextlib.contextmanager
 def _device_semantics(device: str):
-    """Make the traced code take the code path of `device`'s kernels."""
-    from ..kernels.adamw8bit import dynamic_code_book
-    from ..optim import functional
+    """Make the traced code take the code path of `device`'s kernels.
+
+    cuda: the custom ops `torch.ops.hf_galore.*` trace through their fake registrations, which
+    allocate what the Triton kernels allocate (their outputs; the 8-bit step nothing: it updates in
+    place in registers). cpu: the torch twins run inline (`KERNEL_DISPATCH.inline_twins`), so the
+    dispatch mode counts their temporaries as a CPU run makes them.
+    """
     from ..codes import grid_table
+    from ..quant.dynamic import dynamic_code_book
+    from ..utils import KERNEL_DISPATCH
 
     # Code books are cached per device on first use: build them from real tensors before any fake
     # tensor exists, so the cache never holds a fake tensor (fake mode reads real constants).
     grid_table(torch.device("cpu"))
     dynamic_code_book(signed=True)
     dynamic_code_book(signed=False)
-    old_env = os.environ.get("HF_GALORE_DISABLE_TRITON")
-    os.environ["HF_GALORE_DISABLE_TRITON"] = "1"  # fake tensors cannot enter a Triton kernel
-    from ..quant import ops as quant_ops
-
-    old_step = functional.adamw8bit_step
-    old_quant = quant_ops._implementation
-    if device == "cuda":
-        functional.adamw8bit_step = _fused_adamw8bit_step
-        quant_ops._implementation = _kernel_quant_implementation
+    old_inline = KERNEL_DISPATCH.inline_twins
+    KERNEL_DISPATCH.inline_twins = device == "cpu"
     try:
         yield
     finally:
-        functional.adamw8bit_step = old_step
-        quant_ops._implementation = old_quant
-        if old_env is None:
-            os.environ.pop("HF_GALORE_DISABLE_TRITON", None)
-        else:
-            os.environ["HF_GALORE_DISABLE_TRITON"] = old_env
+        KERNEL_DISPATCH.inline_twins = old_inline
 
 
 @contextlib.contextmanager

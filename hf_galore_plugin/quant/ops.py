@@ -1,28 +1,138 @@
-"""The blockwise ops, dispatched to the Triton kernel or to the torch twin.
+"""The blockwise quantization ops: custom ops `torch.ops.hf_galore.*` and their Python entry points.
 
-`hf_galore_plugin.utils.use_triton` decides (CUDA tensors, or CPU under TRITON_INTERPRET=1);
-the kernels module is imported only on that path, so importing `hf_galore_plugin.quant`
-never imports triton. The ops run under `torch.no_grad()`: quantizing a parameter must not keep
-an autograd graph alive in its stored scales.
+Each op is registered with `torch.library` (namespace `hf_galore`): the CPU implementation is the
+torch twin (`quant.functional.*_torch`), the CUDA implementation the Triton launcher
+(`kernels.quant.*_triton`, imported only when it runs, so importing `hf_galore_plugin.quant`
+never imports triton), and a fake registration gives the output shapes and dtypes, so the ops
+trace under FakeTensorMode and torch.compile. `hf_galore_plugin.utils.KERNEL_DISPATCH` holds the
+exceptions (twins on CUDA with HF_GALORE_DISABLE_TRITON=1, kernels on CPU under TRITON_INTERPRET=1).
+
+The entry points below validate their arguments, then call the op; they run under
+`torch.no_grad()`: quantizing a parameter must not keep an autograd graph alive in its stored
+scales. Optional outputs of the ops (zero points, scales that were given) are 0-element tensors
+in the op schema and None (or the given tensors) at the entry points.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_galore_plugin.utils import use_triton
+from hf_galore_plugin.utils import KERNEL_DISPATCH, use_triton
 
 from . import functional
 
 __all__ = ["blockwise_stats", "quantize_blockwise", "dequantize_blockwise"]
 
 
-def _implementation(name: str, tensor: torch.Tensor):
-    if use_triton(tensor):
-        from hf_galore_plugin.kernels import quant as kernels
+def _kernels():
+    from hf_galore_plugin.kernels import quant as kernels
 
-        return getattr(kernels, f"{name}_triton")
-    return getattr(functional, f"{name}_torch")
+    return kernels
+
+
+def _num_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size)
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0, dtype=torch.float32) if t is None else t
+
+
+# ---------------------------------------------------------------- blockwise_stats
+@torch.library.custom_op("hf_galore::blockwise_stats", mutates_args=())
+def _blockwise_stats_op(x: torch.Tensor, scheme: str, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zero points or a 0-element tensor); CPU: the torch twin."""
+    stats = _kernels().blockwise_stats_triton if use_triton(x) else functional.blockwise_stats_torch
+    scales, zero_points = stats(x, scheme=scheme, bits=bits, block_size=block_size)
+    return scales, _or_empty(zero_points, scales)
+
+
+@_blockwise_stats_op.register_kernel("cuda")
+def _blockwise_stats_cuda(x, scheme, bits, block_size):
+    stats = functional.blockwise_stats_torch if not use_triton(x) else _kernels().blockwise_stats_triton
+    scales, zero_points = stats(x, scheme=scheme, bits=bits, block_size=block_size)
+    return scales, _or_empty(zero_points, scales)
+
+
+@_blockwise_stats_op.register_fake
+def _blockwise_stats_fake(x, scheme, bits, block_size):
+    scales = x.new_empty(_num_blocks(x.numel(), block_size), dtype=torch.float32)
+    return scales, scales.new_empty(scales.numel() if scheme == "asymmetric" else 0)
+
+
+# ---------------------------------------------------------------- quantize_blockwise
+@torch.library.custom_op("hf_galore::quantize_blockwise", mutates_args=())
+def _quantize_blockwise_op(
+    x: torch.Tensor,
+    scheme: str,
+    bits: int,
+    block_size: int,
+    randoms: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    zero_points: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, zero points); scales and zero points are 0-element tensors where they were
+    given (an output may not alias an input) or where the scheme has none. CPU: the torch twin."""
+    quantize = _kernels().quantize_blockwise_triton if use_triton(x) else functional.quantize_blockwise_torch
+    return _quantize_outputs(quantize, x, scheme, bits, block_size, randoms, scales, zero_points)
+
+
+@_quantize_blockwise_op.register_kernel("cuda")
+def _quantize_blockwise_cuda(x, scheme, bits, block_size, randoms, scales, zero_points):
+    quantize = functional.quantize_blockwise_torch if not use_triton(x) else _kernels().quantize_blockwise_triton
+    return _quantize_outputs(quantize, x, scheme, bits, block_size, randoms, scales, zero_points)
+
+
+def _quantize_outputs(quantize, x, scheme, bits, block_size, randoms, scales, zero_points):
+    codes, new_scales, new_zero_points = quantize(
+        x, scheme=scheme, bits=bits, block_size=block_size, randoms=randoms, scales=scales, zero_points=zero_points
+    )
+    if scales is not None:
+        return codes, codes.new_empty(0, dtype=torch.float32), codes.new_empty(0, dtype=torch.float32)
+    return codes, new_scales, _or_empty(new_zero_points, new_scales)
+
+
+@_quantize_blockwise_op.register_fake
+def _quantize_blockwise_fake(x, scheme, bits, block_size, randoms, scales, zero_points):
+    codes = x.new_empty(functional.packed_numel(x.numel(), bits), dtype=functional.code_dtype(scheme, bits))
+    if scales is not None:
+        return codes, x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)
+    new_scales, new_zero_points = _blockwise_stats_fake(x, scheme, bits, block_size)
+    return codes, new_scales, new_zero_points
+
+
+# ---------------------------------------------------------------- dequantize_blockwise
+@torch.library.custom_op("hf_galore::dequantize_blockwise", mutates_args=())
+def _dequantize_blockwise_op(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    scheme: str,
+    bits: int,
+    block_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Flat tensor of `numel` values in `dtype`; CPU: the torch twin."""
+    dequantize = _kernels().dequantize_blockwise_triton if use_triton(codes) else functional.dequantize_blockwise_torch
+    return dequantize(
+        codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
+    )
+
+
+@_dequantize_blockwise_op.register_kernel("cuda")
+def _dequantize_blockwise_cuda(codes, scales, zero_points, scheme, bits, block_size, numel, dtype):
+    dequantize = (
+        functional.dequantize_blockwise_torch if not use_triton(codes) else _kernels().dequantize_blockwise_triton
+    )
+    return dequantize(
+        codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
+    )
+
+
+@_dequantize_blockwise_op.register_fake
+def _dequantize_blockwise_fake(codes, scales, zero_points, scheme, bits, block_size, numel, dtype):
+    return codes.new_empty(numel, dtype=dtype)
 
 
 def _check_block_tensors(scales, zero_points, *, scheme, numel, block_size):
@@ -43,7 +153,10 @@ def blockwise_stats(
     """Per-block fp32 scales and zero points (see `functional.blockwise_stats_torch`)."""
     functional.check_float_tensor(x)
     functional.check_quant_args(scheme=scheme, bits=bits, block_size=block_size)
-    return _implementation("blockwise_stats", x)(x, scheme=scheme, bits=bits, block_size=block_size)
+    if KERNEL_DISPATCH.inline_twins:
+        return functional.blockwise_stats_torch(x, scheme=scheme, bits=bits, block_size=block_size)
+    scales, zero_points = torch.ops.hf_galore.blockwise_stats(x, scheme, bits, block_size)
+    return scales, zero_points if scheme == "asymmetric" else None
 
 
 @torch.no_grad()
@@ -67,15 +180,16 @@ def quantize_blockwise(
         )
     if scales is not None:
         _check_block_tensors(scales, zero_points, scheme=scheme, numel=x.numel(), block_size=block_size)
-    return _implementation("quantize_blockwise", x)(
-        x,
-        scheme=scheme,
-        bits=bits,
-        block_size=block_size,
-        randoms=randoms,
-        scales=scales,
-        zero_points=zero_points,
+    if KERNEL_DISPATCH.inline_twins:
+        return functional.quantize_blockwise_torch(
+            x, scheme=scheme, bits=bits, block_size=block_size, randoms=randoms, scales=scales, zero_points=zero_points
+        )
+    codes, new_scales, new_zero_points = torch.ops.hf_galore.quantize_blockwise(
+        x, scheme, bits, block_size, randoms, scales, zero_points
     )
+    if scales is not None:
+        return codes, scales, zero_points
+    return codes, new_scales, new_zero_points if scheme == "asymmetric" else None
 
 
 @torch.no_grad()
@@ -99,13 +213,8 @@ def dequantize_blockwise(
             f" {expected}{' (two 4-bit codes per byte)' if bits == 4 else ''}"
         )
     _check_block_tensors(scales, zero_points, scheme=scheme, numel=numel, block_size=block_size)
-    return _implementation("dequantize_blockwise", codes)(
-        codes,
-        scales,
-        zero_points,
-        scheme=scheme,
-        bits=bits,
-        block_size=block_size,
-        numel=numel,
-        dtype=dtype,
-    )
+    if KERNEL_DISPATCH.inline_twins:
+        return functional.dequantize_blockwise_torch(
+            codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
+        )
+    return torch.ops.hf_galore.dequantize_blockwise(codes, scales, zero_points, scheme, bits, block_size, numel, dtype)
