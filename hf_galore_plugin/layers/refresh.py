@@ -142,12 +142,13 @@ def _refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer]) -> Optional
     if isinstance(grad, dict):
         # Streaming sketches: averaging them over the ranks is exact (they are linear in the gradient).
         try:
-            new_bases = {
+            sketched = {
                 side: basis_from_sketch(_all_reduce_mean(grad[side]), rank=rank) for side, rank in layer._basis_sides()
             }
         except BasisError as exc:
-            return _basis_failed(layer, exc)
-        return _install_bases(layer, new_bases, optimizer)
+            _basis_failed(layer, exc)
+            return None
+        return _install_bases(layer, sketched, optimizer)
     # Data-parallel ranks recorded different micro-batches. The randomized range finder can average
     # its sketches over the ranks instead of the gradient: k (m + n) (1 + power_iterations) values
     # per side, which beats the m x n gradient only when k is small against m and n; each layer
@@ -179,7 +180,8 @@ def _refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer]) -> Optional
                 reduce=sketch_reduce,
             )
     except BasisError as exc:
-        return _basis_failed(layer, exc)
+        _basis_failed(layer, exc)
+        return None
     return _install_bases(layer, new_bases, optimizer)
 
 

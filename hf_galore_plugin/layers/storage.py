@@ -121,13 +121,14 @@ class StoredTensor:
     def value(self, dtype: torch.dtype) -> torch.Tensor:
         """The tensor in `dtype`: the buffer itself when it has that dtype, else a (dequantized) copy."""
         if not self.quantized:
-            return self.module._buffers[self.name].to(dtype)
+            # A plain store always has its buffer once stored (the layer stores at construction).
+            return self.module._buffers[self.name].to(dtype)  # type: ignore[union-attr]
         return self.load().dequantize(dtype)
 
     def nbytes(self) -> int:
         """Bytes of the buffers that hold it."""
-        buffers = self.module._buffers
-        return sum(buffers[name].numel() * buffers[name].element_size() for name in self.buffer_names())
+        tensors = [self.module._buffers[name] for name in self.buffer_names()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
