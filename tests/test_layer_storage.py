@@ -38,7 +38,7 @@ def test_state_dict_written_by_the_old_layer_loads_to_the_same_keys_and_numbers(
     for key, value in old["state_dict"].items():
         torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, equal_nan=True, msg=key)  # bit for bit
     with torch.no_grad():
-        torch.testing.assert_close(layer(batch(99, layer.weight_dtype)), old["output"])
+        torch.testing.assert_close(layer(batch(99, layer.weight_dtype)), old["output"], rtol=1e-5, atol=1e-6)
 
     # What the old code computed from this state: a refresh step (fold into the stored W0, new stored
     # bases, stochastic rounding from the restored counter, lazy gap, moment reset or transport).
@@ -47,8 +47,8 @@ def test_state_dict_written_by_the_old_layer_loads_to_the_same_keys_and_numbers(
     after = layer.state_dict()
     assert set(after) == set(old["after_refresh"])
     for key, value in old["after_refresh"].items():
-        if value.is_floating_point():
-            torch.testing.assert_close(after[key], value, equal_nan=True, msg=key)
+        if value.is_floating_point():  # fp32 tolerances also for bf16 W0: one bf16 rounding step fails it
+            torch.testing.assert_close(after[key], value, rtol=1e-5, atol=1e-6, equal_nan=True, msg=key)
         else:  # counters and quantization codes: computed by the same float ops, so equal
             assert torch.equal(after[key], value), key
     assert layer.quantization_error() == pytest.approx(old["quantization_error"], rel=1e-6)
