@@ -118,3 +118,25 @@ def test_stored_tensor_refuses_an_unknown_storage_naming_it():
         StoredTensor(nn.Module(), "w", "int3", group_size=64)
     with pytest.raises(ValueError, match="'int8' of 'w' needs a group_size"):
         StoredTensor(nn.Module(), "w", "int8")
+
+
+@pytest.mark.parametrize("copy_kind", ["deepcopy", "pickle"])
+def test_a_copied_layer_reads_its_own_buffers(copy_kind, tmp_path):
+    # The storage objects hold their module: a copy (copy.deepcopy, torch.save of the whole module) must
+    # point at the copy, so writing one layer's W0 or basis never changes the other's.
+    import copy
+
+    layer, _ = build("int8-int4")
+    if copy_kind == "deepcopy":
+        twin = copy.deepcopy(layer)
+    else:
+        torch.save(layer, tmp_path / "layer.pt")
+        twin = torch.load(tmp_path / "layer.pt", weights_only=False)
+    assert twin._weight_store.module is twin and all(s.module is twin for s in twin._bases.values())
+    before = layer.base_weight(torch.float32).clone(), layer.basis("left", torch.float32).clone()
+    twin._set_basis("left", torch.linalg.qr(torch.randn(24, 4))[0])
+    twin._store_weight(torch.randn(24, 16))
+    assert torch.equal(layer.base_weight(torch.float32), before[0])
+    assert torch.equal(layer.basis("left", torch.float32), before[1])
+    assert not torch.equal(twin.base_weight(torch.float32), before[0])
+    assert not torch.equal(twin.basis("left", torch.float32), before[1])
