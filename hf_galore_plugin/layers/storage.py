@@ -17,10 +17,13 @@ and ``module.to()`` replace buffer tensors.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..quant import QuantizedTensor
 
 __all__ = ["QUANT_SCHEMES", "StoredTensor", "assign_buffer", "stochastic_round_to_bf16"]
 
@@ -107,23 +110,31 @@ class StoredTensor:
         for part, tensor in tensors.items():
             assign_buffer(self.module, f"{self.name}_{part}", tensor)
 
-    def load(self):
+    def load(self) -> QuantizedTensor:
         """The quantized tensor rebuilt from the buffers (a ``QuantizedTensor`` sharing their storage)."""
         from ..quant import QuantizedTensor
 
         if not self.quantized:
             raise TypeError(f"{self.name!r} is stored plain ({self.storage!r}), not quantized: read it with value()")
-        start = len(self.name) + 1
-        prefix = self.name + "_"
+        start, prefix = len(self.name) + 1, self.name + "_"
         tensors = {name[start:]: t for name, t in self.module._buffers.items() if name.startswith(prefix)}
-        return QuantizedTensor.from_state(tensors, self.meta)
+        return QuantizedTensor.from_state(tensors, self.meta)  # type: ignore[arg-type]
 
     def value(self, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor in `dtype`: the buffer itself when it has that dtype, else a (dequantized) copy."""
+        """The tensor in `dtype`: the buffer itself when it has that dtype, else a (dequantized) copy.
+
+        Called for W0 and each basis in every forward and backward: it rebuilds the quantized tensor
+        itself (as :meth:`load` does) rather than through another call."""
+        buffers = self.module._buffers
         if not self.quantized:
             # A plain store always has its buffer once stored (the layer stores at construction).
-            return self.module._buffers[self.name].to(dtype)  # type: ignore[union-attr]
-        return self.load().dequantize(dtype)
+            return buffers[self.name].to(dtype)  # type: ignore[union-attr]
+        from ..quant import QuantizedTensor
+
+        start, prefix = len(self.name) + 1, self.name + "_"
+        tensors = {name[start:]: t for name, t in buffers.items() if name.startswith(prefix)}
+        # Set by store() with the buffers; a quantized store's buffers are never None.
+        return QuantizedTensor.from_state(tensors, self.meta).dequantize(dtype)  # type: ignore[arg-type]
 
     def nbytes(self) -> int:
         """Bytes of the buffers that hold it."""
