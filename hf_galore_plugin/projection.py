@@ -1,6 +1,6 @@
 """Basis computation for GaLore: exact SVD, randomized range finder, similarity, moment transport.
 
-Pure math on plain tensors; no module state. The layer code (`layers.py`) decides when to call it.
+Pure math on plain tensors; no module state. The layer code (`layers/`) decides when to call it.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def test_basis_failure_keeps_old_basis_and_training_goes_on():
 def _fake_two_rank_run(monkeypatch, config, n_in, n_out, fake_world: bool):
     # A fake 2-rank world whose ranks hold identical gradients (all_reduce sums two equal copies).
     import hf_galore_plugin.engines.collectives as collectives
-    import hf_galore_plugin.layers as layers_module
+    import hf_galore_plugin.layers.refresh as layers_module
 
     model = prepare_model(_single_linear(n_in, n_out), config)
     optimizer = create_optimizer(model, lr=1e-2)

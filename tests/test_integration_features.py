@@ -311,7 +311,7 @@ def test_fp16_model_refresh_computes_the_basis_in_fp32(tmp_path, monkeypatch):
     # and compute_basis always decomposes in fp32 (torch has no half-precision SVD on several
     # backends, and fp16's 11 bits would make the singular vectors inaccurate); the basis is then
     # stored in the model's dtype. So an fp16 model trains; nothing to reject.
-    layers_module = importlib.import_module("hf_galore_plugin.layers")
+    layers_module = importlib.import_module("hf_galore_plugin.layers.refresh")
     real_compute_basis = layers_module.compute_basis
     calls = []
 

@@ -63,12 +63,12 @@ def test_worker_resets_the_rss_high_water_mark():
 
 @pytest.mark.parametrize("numel", [4500, 2000, 700])
 def test_two_chunk_error_measure_has_the_peak_of_the_full_loop(numel):
-    # Oracle: the full chunked loop of layers._relative_rms under the same fake-tensor accounting. The
+    # Oracle: the full chunked loop of layers.storage._relative_rms under the same fake-tensor accounting. The
     # planner's shortcut (two chunks) must reach the same peak and leave the same bytes alive.
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hf_galore_plugin import layers
+    from hf_galore_plugin.layers import storage
     from hf_galore_plugin.plan.trace import _two_error_chunks
     from hf_galore_plugin.plan.tracker import LiveBytes
 
@@ -78,7 +78,7 @@ def test_two_chunk_error_measure_has_the_peak_of_the_full_loop(numel):
             approx, exact = torch.empty(numel), torch.empty(numel)
             tracker.reset_peak()  # the peak of the measure alone
             with _two_error_chunks() if shortcut else contextlib.nullcontext():
-                layers._relative_rms(approx, exact, 1000)
+                storage._relative_rms(approx, exact, 1000)
             del approx, exact
         return tracker.peak, tracker.total
 

@@ -235,7 +235,7 @@ def test_basis_from_sketch_rejects_bad_input():
 
 
 def test_sketch_refresh_under_data_parallelism_all_reduces_sketches_only(monkeypatch):
-    import hf_galore_plugin.layers as layers_module
+    import hf_galore_plugin.layers.refresh as layers_module
 
     sent = []
     monkeypatch.setattr(layers_module, "_world_size", lambda: 2)

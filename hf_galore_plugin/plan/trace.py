@@ -375,23 +375,23 @@ def _device_semantics(device: str):
 
 @contextlib.contextmanager
 def _two_error_chunks():
-    """Under fake tensors, the quantization-error measure (layers._relative_rms) runs its first two chunks
+    """Under fake tensors, the quantization-error measure (layers.storage._relative_rms) runs its first two chunks
     only: every later chunk allocates and frees the same temporaries as the second (the last one fewer),
     so the peak is unchanged, and its value is unknown under fake tensors anyway. A 70B MLP weight has 56
     chunks, each several dispatches through the fake mode: the whole loop dominates a Q-GaLore trace."""
-    from .. import layers
+    from ..layers import storage
 
-    exact_measure = layers._relative_rms
+    exact_measure = storage._relative_rms
 
     def measure(approx, exact, chunk: int = 1 << 22) -> float:
         keep = min(exact.numel(), 2 * chunk)
         return exact_measure(approx.reshape(-1)[:keep], exact.reshape(-1)[:keep], chunk)
 
-    layers._relative_rms = measure
+    storage._relative_rms = measure
     try:
         yield
     finally:
-        layers._relative_rms = exact_measure
+        storage._relative_rms = exact_measure
 
 
 def _state_tensors(state: dict) -> list:

@@ -1,0 +1,428 @@
+"""The GaLore linear layer: GaLore as a frozen-basis reparametrization of an ``nn.Linear``.
+
+With the basis fixed, GaLore on a weight W (m x n) is Adam on a small factor B in
+
+    W = alpha * W0 + scale * B Q^T      (right basis Q: n x r, B: m x r)
+    W = alpha * W0 + scale * P B        (left basis P: m x r, B: r x n)
+    W = alpha * W0 + scale * P C Q^T    ('full': C is r x r)
+
+because dL/dB = scale * G Q, the projected gradient (G = dL/dW). W0 is frozen (plain, int8 or NF4),
+alpha is a scalar that carries decoupled weight decay of the frozen part, and the full-size weight
+gradient G is never formed in a normal step: the custom autograd function (:mod:`.function`) skips
+the weight GEMM of W0 and computes only dX and dB. On a refresh step the backward also accumulates G
+(one layer at a time), and :meth:`GaLoreLinear.refresh` (:mod:`.refresh`) folds B into W0, computes the
+new basis and restarts B at zero. The effective weight is unchanged by a refresh. W0 under a quantized
+``weight_storage`` and the bases are :class:`~.storage.StoredTensor` objects; when a layer refreshes
+is decided in :mod:`.schedule`. This module ties them together.
+
+Step semantics (documented in README "How a step works"): the basis computed from the gradient of
+step t is used from step t+1 (one-step subspace lag; GaLore uses it at step t already). Step 0 is a
+calibration step for GaLore layers: their basis is still zero, so the factor receives a zero
+gradient (only weight decay applies), the gradient of step 0 gives the first basis, and the
+factor's optimizer state is reset so step 1 is Adam's first real step.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import GaLoreConfig
+from ..engines.collectives import full_tensor as _full_tensor
+from ..engines.collectives import is_dtensor as _is_dtensor
+from ..projection import resolve_sides
+from . import refresh as _refresh_mod
+from . import schedule as _schedule
+from .function import GaLoreLinearFunction
+from .storage import StoredTensor
+
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # torch built without distributed support
+    DTensor = None
+
+__all__ = ["GaLoreLinear"]
+
+
+class GaLoreLinear(nn.Module):
+    """Drop-in replacement of an ``nn.Linear`` whose weight is trained by GaLore / Q-GaLore.
+
+    Parameters: ``galore_factor`` (trainable, small) and ``bias`` (as in the original layer).
+    ``weight`` is the frozen base W0 when it is kept as loaded (same state-dict key as nn.Linear);
+    a quantized W0 lives in buffers ``weight_q_*``, a basis in ``galore_basis_<side>`` (plain) or
+    ``galore_basis_<side>_*`` (quantized), each owned by a :class:`~.storage.StoredTensor`. Counters and
+    bases are buffers, so a ``state_dict()`` holds tensors only and restores the layer exactly.
+    """
+
+    def __init__(self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"GaLoreLinear wraps nn.Linear, got {type(base).__name__}")
+        weight = base.weight
+        if not weight.is_floating_point():
+            raise TypeError(f"GaLoreLinear needs a floating-point weight, got {weight.dtype}")
+        if getattr(weight, "ds_numel", weight.numel()) != weight.numel():
+            # DeepSpeed ZeRO-3 zero.Init (from_pretrained under a stage-3 config) left only this rank's
+            # partition here; copying it would silently lose the rest of W0.
+            raise RuntimeError(
+                f"GaLoreLinear: the weight ({weight.ds_numel} values) is partitioned by DeepSpeed ZeRO-3 "
+                "(zero.Init); replace layers before partitioning, or inside "
+                "deepspeed.zero.GatheredParameters(module.parameters(), modifier_rank=0)"
+            )
+        self.config = config
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.weight_dtype = weight.dtype  # the dtype the model was loaded in; merges return to it
+        m, n = self.out_features, self.in_features
+        has_left, has_right = resolve_sides(config.proj_type, m, n)
+        # A side whose dimension the rank covers needs no basis: the subspace is the whole space and the
+        # canonical basis makes the step exactly Adam on W (no rotation; Adam is not rotation-invariant).
+        self.left_rank = min(config.rank, m) if has_left else None
+        self.right_rank = min(config.rank, n) if has_right else None
+        self.left_identity = has_left and config.rank >= m
+        self.right_identity = has_right and config.rank >= n
+        factor_rows = self.left_rank if has_left else m
+        factor_cols = self.right_rank if has_right else n
+        device = weight.device
+
+        self.galore_factor = nn.Parameter(torch.zeros(factor_rows, factor_cols, device=device, dtype=weight.dtype))
+        self.bias = base.bias
+        # W0: the parameter `weight` as loaded, or quantized into buffers weight_q_* (no `weight` then).
+        self._weight_store: Optional[StoredTensor] = None
+        if config.weight_storage == "as_loaded":
+            self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        else:
+            self.register_parameter("weight", None)
+            self._weight_store = StoredTensor(
+                self, "weight_q", config.weight_storage, group_size=config.effective_weight_group_size
+            )
+            self._store_weight(weight.detach())
+
+        # The bases, side -> its storage (None: no basis, or the identity). Plain bases are kept in the
+        # model's dtype (fp32 for fp32 models) to keep a bf16 model's bases small.
+        self._bases: dict[str, Optional[StoredTensor]] = {"left": None, "right": None}
+        for side, rank, identity, dim in (
+            ("left", self.left_rank, self.left_identity, m),
+            ("right", self.right_rank, self.right_identity, n),
+        ):
+            if rank is not None and not identity:
+                self._bases[side] = StoredTensor(
+                    self,
+                    f"galore_basis_{side}",
+                    config.basis_storage,
+                    group_size=config.effective_basis_group_size,
+                    dtype=self.weight_dtype,
+                )
+                self._set_basis(side, torch.zeros(dim, rank, device=device, dtype=torch.float32))
+
+        def buf(value, dtype):
+            return torch.tensor(value, dtype=dtype, device=device)
+
+        self.register_buffer("base_multiplier", buf(1.0, torch.float32))
+        self.register_buffer("galore_step", buf(0, torch.int64))
+        self.register_buffer("galore_last_refresh", buf(-1, torch.int64))
+        self.register_buffer("galore_num_refreshes", buf(0, torch.int64))
+        self.register_buffer("galore_gap", buf(config.update_proj_gap, torch.int64))
+        self.register_buffer("galore_agree_count", buf(0, torch.int64))
+        self.register_buffer("galore_last_similarity", buf(float("nan"), torch.float32))
+        # Randomness (stochastic rounding, randomized SVD) comes from (seed, layer, counter): the same on
+        # every data-parallel rank, device independent, and exactly restored from a checkpoint.
+        self.register_buffer("galore_seed", buf(config.seed * 1_000_003 + layer_index, torch.int64))
+        self.register_buffer("galore_rng_counter", buf(0, torch.int64))
+        # The step (modulo update_proj_gap) of this layer's calibration and refreshes under
+        # refresh_schedule='staggered' (set for all layers at once by assign_refresh_phases); 0 = aligned.
+        self.register_buffer("galore_phase", buf(0, torch.int64))
+        self._phase = 0  # the phase as a Python int, to restore the buffer after to_empty() (meta device)
+        # What this step's backward recorded for the next basis: the dense fp32 gradient (m x n), or with
+        # basis_method='sketch' a dict side -> sketch (the basis side's dimension x k). It lives from the
+        # step's first backward to its after_optimizer_step, so a checkpoint (taken between steps) never
+        # holds one; it is not a buffer because DDP broadcasts buffers from rank 0 at every forward, which
+        # would overwrite the other ranks' partial records during gradient accumulation.
+        self._pending_grad: Optional[torch.Tensor | dict[str, torch.Tensor]] = None
+        self._layer_index = layer_index
+        # Built on the meta device: after to_empty() every buffer holds uninitialised memory until
+        # reset_galore_state() (create_optimizer calls it) or a load of the layer's own state.
+        self._built_on_meta = weight.is_meta
+        # A new layer has no basis yet: it records on its first step (known without reading a buffer,
+        # which on the meta device would fail).
+        self._refresh_due_cache: Optional[bool] = self.needs_basis
+
+    # ------------------------------------------------------------------ initialisation
+    @torch.no_grad()
+    def reset_galore_state(self) -> None:
+        """Set the layer's own state (factor, bases, multiplier, counters, seed) to that of a new layer;
+        W0 and the bias are left as they are (loaded weights). For a model prepared on the meta device
+        and materialised with ``to_empty()``."""
+        self.galore_factor.zero_()
+        for side, dim, rank, identity in (
+            ("left", self.out_features, self.left_rank, self.left_identity),
+            ("right", self.in_features, self.right_rank, self.right_identity),
+        ):
+            if rank is not None and not identity:
+                self._set_basis(side, torch.zeros(dim, rank, device=self.galore_factor.device, dtype=torch.float32))
+        self.base_multiplier.fill_(1.0)
+        self.galore_step.fill_(0)
+        self.galore_last_refresh.fill_(-1)
+        self.galore_num_refreshes.fill_(0)
+        self.galore_gap.fill_(self.config.update_proj_gap)
+        self.galore_agree_count.fill_(0)
+        self.galore_last_similarity.fill_(float("nan"))
+        self.galore_seed.fill_(self.config.seed * 1_000_003 + self._layer_index)
+        self.galore_rng_counter.fill_(0)
+        self.galore_phase.fill_(self._phase)
+        self._pending_grad = None
+        self._refresh_due_cache = self.needs_basis and self._phase == 0
+        self._built_on_meta = False
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """A fresh layer as ``nn.Linear.reset_parameters`` initialises one (W0, bias), with new GaLore state:
+        the hook torch (FSDP's meta-device init) and users call on every module after ``to_empty()``."""
+        w = torch.empty(self.out_features, self.in_features, device=self.galore_factor.device, dtype=self.weight_dtype)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        if self.weight is not None:
+            self.weight.copy_(w)
+        else:
+            self._store_weight(w)
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+        self.reset_galore_state()
+
+    # ------------------------------------------------------------------ storage
+    def _next_generator(self, device: torch.device) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(self.galore_seed) * 1_000_033 + int(self.galore_rng_counter))
+        self.galore_rng_counter += 1
+        return generator
+
+    def _store_weight(self, value: torch.Tensor) -> None:
+        """Quantize `value` into W0's buffers; stochastically rounded (config.stochastic_rounding) once the
+        layer has its random stream, i.e. for every W0 but the one it was built from."""
+        stochastic = self.config.stochastic_rounding and hasattr(self, "galore_seed")
+        self._weight_store.store(value, generator=self._next_generator(value.device) if stochastic else None)
+
+    def base_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """W0 (without the decay multiplier) in `dtype`; a fresh dequantized copy for int8/NF4."""
+        dtype = dtype or self.weight_dtype
+        weight = self.weight
+        if weight is not None:
+            return weight if weight.dtype == dtype else weight.to(dtype)
+        return self._weight_store.value(dtype)
+
+    def _set_basis(self, side: str, basis: torch.Tensor) -> None:
+        store = self._bases.get(side)
+        if store is None:
+            raise ValueError(f"GaLoreLinear has no computed basis on side {side!r} (sides: {self._basis_sides()})")
+        store.store(basis)
+
+    def basis(self, side: str, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+        """The basis of `side` ('left' P: m x r, 'right' Q: n x r); None for no basis or the identity."""
+        store = self._bases.get(side)
+        if store is None:
+            if side not in self._bases:
+                raise ValueError(f"basis side must be 'left' or 'right', got {side!r}")
+            return None
+        return store.value(dtype or self.weight_dtype)
+
+    # ------------------------------------------------------------------ low-rank branch, merged weight
+    def lowrank_delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """scale * (P) B (Q^T) as a full m x n tensor (formed only when merging or refreshing).
+
+        A sharded factor (FSDP2 DTensor) is gathered first: a collective, every rank must call it.
+        """
+        self._check_factor_layout()
+        p, q = self.basis("left", dtype), self.basis("right", dtype)
+        delta = _full_tensor(self.galore_factor.detach()).to(dtype)
+        if q is None and p is None:
+            return delta * self.config.scale
+        if q is not None:
+            delta = delta @ q.mT
+        if p is not None:
+            delta = p @ delta
+        # In place on the product (a fresh m x n tensor): one full-size temporary fewer when folding.
+        return delta.mul_(self.config.scale)
+
+    def _local_lowrank_delta(self, like: "DTensor") -> torch.Tensor:
+        """This rank's part of the low-rank delta, for a W0 sharded as `like` (FSDP2: Shard(0) rows)."""
+        factor = self.galore_factor.detach()
+        row_local = (
+            (self.left_rank is None or self.left_identity)
+            and _is_dtensor(factor)
+            and factor.device_mesh == like.device_mesh
+            and tuple(factor.placements) == tuple(like.placements)
+        )
+        if row_local:
+            # B (m x r) and W0 (m x n) share their rows and are cut the same way: the right-basis fold
+            # W0 += scale * B Q^T is local to each shard and needs no communication.
+            delta = factor.to_local().to(torch.float32)
+            q = self.basis("right", torch.float32)
+            if q is not None:
+                delta = delta @ q.mT
+            return delta * self.config.scale
+        # A left basis mixes all rows of B into each row of W0: gather B (small), form the delta, keep
+        # this rank's rows (src_data_rank=None splits locally, without communication).
+        full = self.lowrank_delta(torch.float32)
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+    def effective_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """alpha * W0 + scale * lowrank(B): the weight the layer computes with, in fp32 by default.
+
+        When W0 is a sharded DTensor (FSDP2) the result is a DTensor placed like W0 (``full_tensor()``
+        gathers it); otherwise a full tensor (gathering a sharded factor: every rank must call it).
+        """
+        dtype = dtype or torch.float32
+        if _is_dtensor(self.weight):
+            w = self.weight
+            local = w.to_local().to(torch.float32) * self.base_multiplier + self._local_lowrank_delta(w)
+            return DTensor.from_local(
+                local.to(dtype), w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
+            )
+        # A fresh tensor (the product), so the delta is added in place: the same sum, one m x n fp32
+        # temporary fewer at a refresh's fold (the peak of a refresh step with a quantized W0).
+        w = self.base_weight(torch.float32) * self.base_multiplier
+        w.add_(self.lowrank_delta(torch.float32))
+        return w.to(dtype)
+
+    def _check_factor_layout(self) -> None:
+        expected = (self.left_rank or self.out_features, self.right_rank or self.in_features)
+        if tuple(self.galore_factor.shape) != expected:
+            raise RuntimeError(
+                f"GaLore factor has shape {tuple(self.galore_factor.shape)}, expected {expected}: an engine "
+                "holds it as a flat 1-D shard (FSDP1, or DeepSpeed ZeRO-3) and it was used outside a gather. "
+                "Pass the FSDP1-wrapped model to create_optimizer/after_step (they gather each refreshing "
+                "layer's unit) and merge inside FullyShardedDataParallel.summon_full_params(model); under ZeRO "
+                "use hf_galore_plugin.engines.deepspeed.DeepSpeedGaLoreOptimizer."
+            )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return GaLoreLinearFunction.apply(x, self.galore_factor, self.bias, self)
+
+    def extra_repr(self) -> str:
+        sides = []
+        if self.left_rank is not None:
+            sides.append(f"left_rank={self.left_rank}{' (identity)' if self.left_identity else ''}")
+        if self.right_rank is not None:
+            sides.append(f"right_rank={self.right_rank}{' (identity)' if self.right_identity else ''}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"{', '.join(sides)}, weight_storage={self.config.weight_storage}, basis_storage={self.config.basis_storage}"
+        )
+
+    # ------------------------------------------------------------------ refresh
+    @property
+    def needs_basis(self) -> bool:
+        return (self.left_rank is not None and not self.left_identity) or (
+            self.right_rank is not None and not self.right_identity
+        )
+
+    @property
+    def calibrated(self) -> bool:
+        return not self.needs_basis or int(self.galore_num_refreshes) > 0
+
+    @property
+    def refresh_due(self) -> bool:
+        """True while the current step's backward must record the layer gradient for a new basis.
+
+        Cached as a Python bool (reading the counter buffers costs a device sync per layer on GPU);
+        the cache is dropped whenever the counters change (step, refresh, load_state_dict).
+        """
+        if self._refresh_due_cache is None:
+            self._update_refresh_due()
+        return self._refresh_due_cache
+
+    def _update_refresh_due(self) -> None:
+        self._refresh_due_cache = _schedule.compute_refresh_due(self)
+
+    def _basis_sides(self) -> list[tuple[str, int]]:
+        """(side, rank) of every side with a computed (non-identity) basis."""
+        sides = []
+        if self.left_rank is not None and not self.left_identity:
+            sides.append(("left", self.left_rank))
+        if self.right_rank is not None and not self.right_identity:
+            sides.append(("right", self.right_rank))
+        return sides
+
+    def _sketch_width(self, rank: int) -> int:
+        return min(rank + self.config.oversampling, self.out_features, self.in_features)
+
+    def recorded_nbytes(self) -> int:
+        """Bytes of refresh records this layer holds now (0 outside a refresh step's backward..refresh)."""
+        record = self._pending_grad
+        if record is None:
+            return 0
+        tensors = record.values() if isinstance(record, dict) else (record,)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def discard_recorded_gradient(self) -> None:
+        """Forget what this step's backward recorded (its optimizer step was skipped)."""
+        self._pending_grad = None
+
+    def after_optimizer_step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
+        """Advance the layer's step counter and refresh the basis if this step recorded a gradient.
+
+        Returns the subspace similarity of a refresh (NaN for the first basis), or None.
+        """
+        similarity = None
+        if self.refresh_due:
+            if self._pending_grad is None:
+                warnings.warn(
+                    f"GaLore layer {self.out_features}x{self.in_features}: a basis refresh was due but no "
+                    "backward ran through the layer this step; the refresh moves to the next step",
+                    stacklevel=3,
+                )
+            else:
+                similarity = self.refresh(optimizer)
+        self.galore_step += 1
+        self._update_refresh_due()
+        return similarity
+
+    # The refresh's record and the refresh itself (hf_galore_plugin.layers.refresh), as methods.
+    refresh_record_nbytes = _refresh_mod.refresh_record_nbytes
+    sketch_test_matrix = _refresh_mod.sketch_test_matrix
+    sketch_exchange_numel = _refresh_mod.sketch_exchange_numel
+    refresh = _refresh_mod.refresh
+    _record_gradient = _refresh_mod.record_gradient
+
+    # ------------------------------------------------------------------ accounting
+    def quantization_error(self) -> dict[str, float]:
+        """Relative RMS error of the last quantization of W0 ('weight') and of each quantized basis
+        ('basis_left', 'basis_right'), measured against the exact values when they were stored."""
+        stores = {"weight": self._weight_store, "basis_left": self._bases["left"], "basis_right": self._bases["right"]}
+        return {key: store.error for key, store in stores.items() if store is not None and store.error is not None}
+
+    def state_nbytes(self) -> dict[str, int]:
+        """Exact bytes of the layer's tensors by role."""
+        weight = self._weight_store.nbytes() if self._weight_store is not None else 0
+        if self.weight is not None:
+            weight += self.weight.numel() * self.weight.element_size()
+        basis = sum(store.nbytes() for store in self._bases.values() if store is not None)
+        factor = self.galore_factor.numel() * self.galore_factor.element_size()
+        bias = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
+        return {"weight": weight, "basis": basis, "factor": factor, "bias": bias}
+
+    # ------------------------------------------------------------------ state dict
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        # Quantized parts may change shape between save and load only if the config changed: make the
+        # buffers match what is being loaded so a resume restores them bit-exactly.
+        for name in list(self._buffers):
+            key = prefix + name
+            if (
+                key in state_dict
+                and self._buffers[name] is not None
+                and state_dict[key].shape != self._buffers[name].shape
+            ):
+                self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
+        if prefix + "galore_step" in state_dict:
+            self._built_on_meta = False  # its own state came with the load
+        self._update_refresh_due()
+        self._pending_grad = None
+
+
+# Keeps the sketch's test-matrix seeds apart from the counter-driven seeds of _next_generator.

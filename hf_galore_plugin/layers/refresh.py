@@ -1,0 +1,270 @@
+"""A GaLore layer's basis refresh: what a refresh step records, and the refresh itself.
+
+Recording (in the refresh step's backward, from :class:`~.function.GaLoreLinearFunction`): the dense fp32
+gradient G = dy^T x, or with ``basis_method='sketch'`` one streaming sketch per basis side, summed over
+micro-batches. The refresh (after the optimizer step): average the record over data-parallel ranks,
+compute the new bases (:mod:`hf_galore_plugin.projection`), fold the factor B into W0, install the bases,
+adapt the lazy gap (Q-GaLore) and reset or transport the factor's Adam moments through the engine
+contract (:mod:`hf_galore_plugin.engines.contract`). The effective weight is unchanged by a refresh.
+
+The functions take the layer (a :class:`~hf_galore_plugin.layers.GaLoreLinear`); the layer binds the
+private ones as its methods.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from ..engines.capabilities import check_moment_handling
+from ..engines.collectives import all_reduce_mean as _all_reduce_mean
+from ..engines.collectives import is_dtensor as _is_dtensor
+from ..engines.collectives import local_shard as _local
+from ..engines.collectives import world_size as _world_size
+from ..engines.contract import gathered_parameters, param_changed
+from ..engines.contract import reset_state as _reset_state
+from ..engines.contract import transform_state as _transform_state
+from ..projection import BasisError, basis_from_sketch, compute_basis, subspace_similarity, transport_matrix
+from .storage import stochastic_round_to_bf16
+
+__all__ = [
+    "fold_factor_into_base",
+    "record_gradient",
+    "refresh",
+    "refresh_record_nbytes",
+    "sketch_exchange_numel",
+    "sketch_test_matrix",
+]
+
+# Keeps the sketch's test-matrix seeds apart from the counter-driven seeds of the layer's _next_generator.
+_SKETCH_STREAM = 0x5EED_5EED_0000_0000
+
+
+# ---------------------------------------------------------------------- what a refresh step records
+def refresh_record_nbytes(layer: Any) -> int:
+    """Bytes a refresh of this layer holds from its backward to the refresh: the fp32 gradient (m x n),
+    or with basis_method='sketch' one fp32 sketch per basis side (that side's dimension x k)."""
+    if not layer.needs_basis:
+        return 0
+    if layer.config.basis_method != "sketch":
+        return 4 * layer.out_features * layer.in_features
+    dims = {"left": layer.out_features, "right": layer.in_features}
+    return sum(4 * dims[side] * layer._sketch_width(rank) for side, rank in layer._basis_sides())
+
+
+def sketch_test_matrix(layer: Any, side: str, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The Gaussian test matrix Omega of the current step's sketch of `side` (fp32).
+
+    'left' (basis P, m x r): Omega is n x k and the sketch G Omega = dy^T (x Omega) spans G's columns;
+    'right' (basis Q, n x r): Omega is m x k and the sketch G^T Omega = x^T (dy Omega) spans G's rows.
+    Drawn from (layer seed, step, side): the same on every data-parallel rank and every micro-batch of
+    a step (so the sketch stays linear in the step's gradient), and after a resume; a stream of its
+    own, apart from the counter-driven one of stochastic rounding and the randomized range finder.
+    """
+    rank = dict(layer._basis_sides())[side]
+    dim = layer.in_features if side == "left" else layer.out_features
+    device = torch.device(device) if device is not None else layer.galore_step.device
+    generator = torch.Generator(device=device)
+    side_index = 0 if side == "left" else 1
+    stream = (int(layer.galore_seed) * 1_000_039 + int(layer.galore_step)) * 2 + side_index
+    generator.manual_seed(stream ^ _SKETCH_STREAM)
+    return torch.randn(dim, layer._sketch_width(rank), generator=generator, device=device, dtype=torch.float32)
+
+
+def record_gradient(layer: Any, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """Add this micro-batch's gradient (dy: N x m, x: N x n) to the layer's refresh record.
+
+    Accumulates over micro-batches (gradient accumulation, or several forwards in one step).
+    """
+    if layer.config.basis_method == "sketch":
+        _record_sketch(layer, dy, x)
+        return
+    g = dy.to(torch.float32).mT @ x.to(torch.float32)
+    if layer._pending_grad is None:
+        layer._pending_grad = g
+    else:
+        layer._pending_grad += g
+
+
+def _record_sketch(layer: Any, dy: torch.Tensor, x: torch.Tensor) -> None:
+    # Y = G Omega (left) or G^T Omega (right) with G = dy^T x, evaluated so that no m x n tensor is
+    # formed: N x k and k x dim temporaries only. Linear in G, so the sum over micro-batches is the
+    # sketch of the step's gradient, and the mean over ranks the sketch of the averaged gradient.
+    dy32, x32 = dy.to(torch.float32), x.to(torch.float32)
+    record = layer._pending_grad if layer._pending_grad is not None else {}
+    for side, _ in layer._basis_sides():
+        omega = layer.sketch_test_matrix(side, dy.device)
+        sketch = dy32.mT @ (x32 @ omega) if side == "left" else x32.mT @ (dy32 @ omega)
+        if side in record:
+            record[side] += sketch
+        else:
+            record[side] = sketch
+    layer._pending_grad = record
+
+
+def sketch_exchange_numel(layer: Any) -> int:
+    """Values a data-parallel refresh all-reduces with the randomized range finder's sketches (with
+    basis_method='sketch': the streaming sketches themselves)."""
+    m, n = layer.out_features, layer.in_features
+    if layer.config.basis_method == "sketch":
+        return layer.refresh_record_nbytes() // 4
+    total = 0
+    for rank, identity in ((layer.left_rank, layer.left_identity), (layer.right_rank, layer.right_identity)):
+        if rank is not None and not identity:
+            k = min(rank + layer.config.oversampling, m, n)
+            total += k * (m + n) * (1 + layer.config.power_iterations)
+    return total
+
+
+# ---------------------------------------------------------------------- the refresh
+def refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
+    """Fold the factor into W0, compute the new basis from the recorded gradient, adapt the gap.
+
+    `optimizer` may be an engine adapter (hf_galore_plugin.engines.contract.EngineAdapter) that also
+    provides ``gathered_parameters(layer)``: a context in which the layer's partitioned
+    parameters are whole (DeepSpeed ZeRO-3) and after which changes are partitioned again.
+    """
+    try:
+        with gathered_parameters(optimizer, layer):
+            return _refresh(layer, optimizer)
+    finally:
+        layer._update_refresh_due()
+
+
+@torch.no_grad()
+def _refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
+    grad = layer._pending_grad
+    layer._pending_grad = None
+    if grad is None:
+        raise RuntimeError("GaLoreLinear.refresh() needs the gradient recorded during a refresh step's backward")
+    if isinstance(grad, dict):
+        # Streaming sketches: averaging them over the ranks is exact (they are linear in the gradient).
+        try:
+            sketched = {
+                side: basis_from_sketch(_all_reduce_mean(grad[side]), rank=rank) for side, rank in layer._basis_sides()
+            }
+        except BasisError as exc:
+            _basis_failed(layer, exc)
+            return None
+        return _install_bases(layer, sketched, optimizer)
+    # Data-parallel ranks recorded different micro-batches. The randomized range finder can average
+    # its sketches over the ranks instead of the gradient: k (m + n) (1 + power_iterations) values
+    # per side, which beats the m x n gradient only when k is small against m and n; each layer
+    # takes the smaller exchange (the same choice on every rank). The exact SVD needs the averaged
+    # gradient itself (one layer at a time, once per gap).
+    config = layer.config
+    sketch_reduce = None
+    if config.basis_method == "randomized" and _world_size() > 1:
+        if layer.sketch_exchange_numel() < layer.out_features * layer.in_features:
+            sketch_reduce = _all_reduce_mean
+    if sketch_reduce is None:
+        grad = _all_reduce_mean(grad)
+    new_bases: dict[str, torch.Tensor] = {}
+    try:
+        for side in ("left", "right"):
+            rank = layer.left_rank if side == "left" else layer.right_rank
+            identity = layer.left_identity if side == "left" else layer.right_identity
+            if rank is None or identity:
+                continue
+            generator = layer._next_generator(grad.device) if config.basis_method == "randomized" else None
+            new_bases[side] = compute_basis(
+                grad,
+                side=side,
+                rank=rank,
+                method=config.basis_method,
+                oversampling=config.oversampling,
+                power_iterations=config.power_iterations,
+                generator=generator,
+                reduce=sketch_reduce,
+            )
+    except BasisError as exc:
+        _basis_failed(layer, exc)
+        return None
+    return _install_bases(layer, new_bases, optimizer)
+
+
+def _basis_failed(layer: Any, exc: BasisError) -> None:
+    # Never stop training for a bad basis: keep the old one, try again after one more gap.
+    warnings.warn(f"GaLore basis refresh failed ({exc}); keeping the previous basis", stacklevel=4)
+    layer.galore_last_refresh.fill_(int(layer.galore_step))
+
+
+def _install_bases(layer: Any, new_bases: dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> float:
+    """Fold the factor into W0, swap in `new_bases`, adapt the lazy gap and the optimizer state."""
+    first = not layer.calibrated
+    old_bases = {side: layer.basis(side, torch.float32).clone() for side in new_bases}
+    fold_factor_into_base(layer, optimizer)
+    for side, basis in new_bases.items():
+        layer._set_basis(side, basis)
+    stored = {side: layer.basis(side, torch.float32) for side in new_bases}
+
+    similarity = float("nan")
+    if not first:
+        similarity = sum(subspace_similarity(old_bases[s], stored[s]) for s in stored) / len(stored)
+        _update_lazy_gap(layer, similarity)
+    layer.galore_last_similarity.fill_(similarity)
+    if optimizer is not None:
+        if first or layer.config.moment_handling == "reset":
+            _reset_state(optimizer, layer.galore_factor)
+        elif layer.config.moment_handling == "project":
+            _transport_moments(layer, optimizer, old_bases, stored)
+    layer.galore_last_refresh.fill_(int(layer.galore_step))
+    layer.galore_num_refreshes += 1
+    return similarity
+
+
+def fold_factor_into_base(layer: Any, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """W0 <- alpha * W0 + scale * lowrank(B), alpha <- 1, B <- 0: the effective weight is unchanged."""
+    merged = layer.effective_weight(torch.float32)
+    weight = layer.weight
+    if weight is not None:
+        merged = _local(merged)
+        if weight.dtype == torch.bfloat16 and layer.config.stochastic_rounding:
+            merged = stochastic_round_to_bf16(merged, layer._next_generator(merged.device))
+        # In place: FSDP2 all-gathers W0 from the storage of its local shard, and DDP/ZeRO keep
+        # references to the parameter; rebinding `.data` would detach W0 from the engine.
+        _local(weight).copy_(merged)
+    else:
+        layer._store_weight(merged)
+    layer.base_multiplier.fill_(1.0)
+    _local(layer.galore_factor).zero_()
+    # Engines that keep their own master copy of the factor (DeepSpeed ZeRO) reload it from the model.
+    param_changed(optimizer, layer.galore_factor)
+
+
+def _update_lazy_gap(layer: Any, similarity: float) -> None:
+    # Q-GaLore (Zhang et al. 2024, Sec. 3.3): layers whose subspace stopped moving refresh less often.
+    config = layer.config
+    if not config.lazy_refresh:
+        return
+    if similarity >= config.cos_threshold:
+        layer.galore_agree_count += 1
+    else:
+        layer.galore_agree_count.zero_()
+    if int(layer.galore_agree_count) >= config.lazy_window:
+        grown = min(int(layer.galore_gap) * config.lazy_growth, config.effective_max_proj_gap)
+        layer.galore_gap.fill_(grown)
+        layer.galore_agree_count.zero_()
+
+
+def _transport_moments(layer: Any, optimizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    # First moment: exact change of coordinates (it is a linear function of past projected
+    # gradients). Second moment: no exact transport exists for an elementwise statistic; mapping it
+    # with the squared transport matrix keeps it non-negative and exact for permutations/sign flips.
+    if _is_dtensor(layer.galore_factor):
+        check_moment_handling("fsdp2", moment_handling="project", left_basis="left" in new)
+    t_left = transport_matrix(old["left"], new["left"]) if "left" in new else None
+    t_right = transport_matrix(old["right"], new["right"]) if "right" in new else None
+
+    def transport(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
+        if t_left is not None:
+            exp_avg = t_left.mT @ exp_avg
+            exp_avg_sq = t_left.square().mT @ exp_avg_sq
+        if t_right is not None:
+            exp_avg = exp_avg @ t_right
+            exp_avg_sq = exp_avg_sq @ t_right.square()
+        return exp_avg, exp_avg_sq
+
+    _transform_state(optimizer, layer.galore_factor, transport)

@@ -1,0 +1,137 @@
+"""When a GaLore layer refreshes its basis: the refresh-due rule and the staggered phases.
+
+Under ``refresh_schedule='aligned'`` every layer refreshes at its calibration step and then whenever its
+(lazy) gap has passed. Under ``'staggered'`` each layer has a phase (``galore_phase``) and refreshes only
+at steps == phase (mod update_proj_gap); :func:`assign_refresh_phases` packs the layers' refresh records
+into phases so that one step holds at most the budget (README "Options", Refresh memory).
+
+The functions take the layer (a :class:`~hf_galore_plugin.layers.GaLoreLinear`) and read its counters
+and its ``refresh_record_nbytes()``; none runs inside a training step's forward or backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+__all__ = ["assign_refresh_phases", "compute_refresh_due", "pack_refresh_phases", "refresh_phase_capacity"]
+
+
+def compute_refresh_due(layer: Any) -> bool:
+    """Whether the layer's current step must record its gradient for a new basis (reads its counters)."""
+    if not layer.needs_basis:
+        return False
+    if layer.config.refresh_schedule == "staggered":
+        return _staggered_refresh_due(layer)
+    if not layer.calibrated:
+        return True
+    return int(layer.galore_step) - int(layer.galore_last_refresh) >= int(layer.galore_gap)
+
+
+def _staggered_refresh_due(layer: Any) -> bool:
+    # The schedule rule (README "Options", Refresh memory): calibrate at step == phase (or at the first
+    # step after it that reaches the layer), then refresh only at steps == phase (mod update_proj_gap) at
+    # least the layer's (lazy) gap after its last refresh. Phases come from assign_refresh_phases, which packs the
+    # layers so that one phase's records fit the budget: holding to the phase keeps every step within it
+    # (a lazily grown gap, or one clipped to a max_proj_gap that is no multiple of the gap, waits for the
+    # next step of its phase). With every phase 0 this is the aligned schedule.
+    step, phase = int(layer.galore_step), int(layer.galore_phase)
+    if not layer.calibrated:
+        return step >= phase
+    if (step - phase) % layer.config.update_proj_gap != 0:
+        return False
+    return step - int(layer.galore_last_refresh) >= int(layer.galore_gap)
+
+
+def refresh_phase_capacity(config, layers: list[Any], costs: list[int]) -> int:
+    """Most bytes of refresh records one staggered phase may hold: ``refresh_budget_mb``, by default the
+    largest targeted layer's dense fp32 gradient; never less than the largest single record."""
+    if config.refresh_budget_mb is not None:
+        budget = int(config.refresh_budget_mb * 2**20)
+    else:
+        budget = max((4 * layer.out_features * layer.in_features for layer in layers if layer.needs_basis), default=0)
+    return max(budget, *costs) if costs else budget
+
+
+def pack_refresh_phases(costs: list[int], capacity: int, gap: int) -> tuple[list[int], bool]:
+    """Phases for records of `costs` bytes (0: no record): first-fit decreasing into the fewest phases of
+    `capacity` bytes, then spread largest-first onto the lightest phase where that still fits. Returns
+    (phase per cost, overflow): with more phases than `gap` the records are balanced over `gap` phases
+    and overflow is True. Deterministic: ties are broken by position."""
+    order = sorted((i for i in range(len(costs)) if costs[i] > 0), key=lambda i: (-costs[i], i))
+
+    def pack_first_fit() -> list[int]:
+        loads: list[int] = []
+        phase_of = [0] * len(costs)
+        for i in order:
+            phase = next((p for p, load in enumerate(loads) if load + costs[i] <= capacity), len(loads))
+            if phase == len(loads):
+                loads.append(0)
+            loads[phase] += costs[i]
+            phase_of[i] = phase
+        return phase_of
+
+    def pack_balanced(count: int) -> list[int]:
+        loads, phase_of = [0] * count, [0] * len(costs)
+        for i in order:
+            phase = min(range(count), key=lambda p: (loads[p], p))
+            loads[phase] += costs[i]
+            phase_of[i] = phase
+        return phase_of
+
+    def peak(phase_of: list[int]) -> int:
+        loads: dict[int, int] = {}
+        for i, phase in enumerate(phase_of):
+            loads[phase] = loads.get(phase, 0) + costs[i]
+        return max(loads.values(), default=0)
+
+    phase_of = pack_first_fit()
+    count = max(phase_of, default=0) + 1
+    if count > gap:
+        return pack_balanced(gap), True
+    balanced = pack_balanced(count)
+    return (balanced if peak(balanced) <= capacity else phase_of), False
+
+
+def assign_refresh_phases(layers: list[Any]) -> list[int]:
+    """Give each layer its refresh phase (``galore_phase``) under refresh_schedule='staggered'; returns the
+    phases in the layers' order (all 0 under 'aligned'), readable also for layers on the meta device.
+
+    Rule: the layers' refresh records (:meth:`GaLoreLinear.refresh_record_nbytes`) are packed into the
+    fewest phases whose records fit the budget (``refresh_budget_mb``; default the largest layer's dense
+    fp32 gradient; a layer above it gets a phase to itself) by first-fit decreasing, then spread over that
+    many phases by largest-first onto the lightest phase when that still fits, so the steps carry about
+    equal bytes. More phases than update_proj_gap steps cannot exist: the layers are then balanced over
+    update_proj_gap phases and the budget is exceeded (a warning says by how much). Deterministic (ties
+    broken by the layers' order), so every data-parallel rank computes the same phases.
+    """
+    layers = list(layers)
+    if not layers:
+        return []
+    config = layers[0].config
+    if config.refresh_schedule != "staggered":
+        for layer in layers:
+            layer.galore_phase.fill_(0)
+            layer._phase = 0
+        return [0] * len(layers)
+    costs = [layer.refresh_record_nbytes() for layer in layers]
+    capacity = refresh_phase_capacity(config, layers, costs)
+    phase_of, overflow = pack_refresh_phases(costs, capacity, config.update_proj_gap)
+    if overflow:
+        loads: dict[int, int] = {}
+        for i, phase in enumerate(phase_of):
+            loads[phase] = loads.get(phase, 0) + costs[i]
+        warnings.warn(
+            f"refresh_schedule='staggered': {sum(c > 0 for c in costs)} layers do not fit "
+            f"update_proj_gap={config.update_proj_gap} phases of {capacity / 2**20:.1f} MiB; the largest phase "
+            f"records {max(loads.values()) / 2**20:.1f} MiB. Raise refresh_budget_mb or update_proj_gap, or use "
+            "basis_method='sketch' (smaller records)",
+            stacklevel=2,
+        )
+    for layer, phase in zip(layers, phase_of):
+        layer.galore_phase.fill_(phase)
+        layer._phase = phase
+        # A new layer is at step 0, uncalibrated: due now iff its phase is 0 (set without reading a
+        # buffer, which on the meta device would fail).
+        layer._refresh_due_cache = layer.needs_basis and phase == 0
+    return phase_of

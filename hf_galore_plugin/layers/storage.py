@@ -1,0 +1,169 @@
+"""Storage of one tensor of a layer, kept plain or blockwise-quantized, as buffers of the layer.
+
+A :class:`StoredTensor` owns one tensor of a module (the frozen base W0 under a quantized
+``weight_storage``, or a basis): it writes it (quantizing when its storage says so), reads it back
+(rebuilding the :class:`~hf_galore_plugin.quant.QuantizedTensor` from the buffers, or dequantizing it),
+counts its bytes and keeps the quantization error measured when it was written. Its tensors are
+buffers registered on the module under fixed names, so the module's ``state_dict`` keys, ``.to()``,
+the engines' buffer handling and the checkpoint format are those of the buffers themselves:
+
+- plain: one buffer ``<name>`` (a basis under ``basis_storage='as_computed'``: ``galore_basis_left``);
+- quantized: one buffer ``<name>_<part>`` per tensor of ``QuantizedTensor.to_state()``
+  (``weight_q_codes``, ``weight_q_scales``, ``galore_basis_right_codes``, ...).
+
+The object reads the buffers from the module by name on every access, never a cached tensor: engines
+and ``module.to()`` replace buffer tensors.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..quant import QuantizedTensor
+
+__all__ = ["QUANT_SCHEMES", "StoredTensor", "assign_buffer", "stochastic_round_to_bf16"]
+
+QUANT_SCHEMES = {
+    # storage name -> (scheme, bits) of hf_galore_plugin.quant.quantize
+    "int8": ("symmetric", 8),
+    "int4": ("symmetric", 4),
+    "nf4": ("nf4", 4),
+}
+PLAIN_STORAGE = ("as_loaded", "as_computed")
+
+
+def assign_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set `module`'s buffer `name` to `value`: in place when the shape and dtype allow, because engines
+    (DDP's buffer broadcast, FSDP) keep references to the buffer tensors they saw at wrap time."""
+    current = module._buffers.get(name)
+    if current is None:
+        module.register_buffer(name, value)
+    elif current.shape == value.shape and current.dtype == value.dtype:
+        current.copy_(value)
+    else:
+        module._buffers[name] = value
+
+
+class StoredTensor:
+    """One tensor of `module` in `storage` ('as_loaded'/'as_computed': plain in `dtype`; 'int8', 'int4',
+    'nf4': blockwise-quantized in groups of `group_size`), held in buffers named after `name`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        name: str,
+        storage: str,
+        *,
+        group_size: Optional[int] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        if storage not in QUANT_SCHEMES and storage not in PLAIN_STORAGE:
+            raise ValueError(
+                f"storage {storage!r} of {name!r} is unknown; use one of {sorted(PLAIN_STORAGE + tuple(QUANT_SCHEMES))}"
+            )
+        if storage in QUANT_SCHEMES and group_size is None:
+            raise ValueError(f"quantized storage {storage!r} of {name!r} needs a group_size")
+        self.module = module
+        self.name = name
+        self.storage = storage
+        self.quantized = storage in QUANT_SCHEMES
+        self.group_size = group_size
+        self.dtype = dtype  # plain storage casts to it (None: keep the value's dtype)
+        # Metadata of the quantized tensor (shape, dtype, scheme, ...: QuantizedTensor.to_state()); not in
+        # the state dict, the layer's config and shape determine it.
+        self.meta: Optional[dict[str, Any]] = None
+        # Relative RMS error of the last quantization, measured against the exact value when it was stored.
+        self.error: Optional[float] = None
+
+    def buffer_names(self) -> list[str]:
+        """The names of the module's buffers that hold this tensor now."""
+        if not self.quantized:
+            return [self.name] if self.name in self.module._buffers else []
+        start = self.name + "_"
+        return [name for name in self.module._buffers if name.startswith(start)]
+
+    def store(self, value: torch.Tensor, *, generator: Optional[torch.Generator] = None) -> None:
+        """Write `value`: as is (cast to the storage dtype), or quantized, stochastically rounded with
+        `generator` when one is given. Measures the quantization error unless `value` is on the meta device."""
+        if not self.quantized:
+            assign_buffer(self.module, self.name, value if self.dtype is None else value.to(self.dtype))
+            return
+        from ..quant import quantize
+
+        scheme, bits = QUANT_SCHEMES[self.storage]
+        qt = quantize(
+            value,
+            scheme=scheme,
+            bits=bits,
+            block_size=self.group_size,
+            stochastic=generator is not None,
+            generator=generator,
+        )
+        # Measured here, where the exact value is at hand, so logging it costs nothing later.
+        if not value.is_meta:
+            self.error = _relative_rms(qt.dequantize(torch.float32), value.to(torch.float32))
+        tensors, self.meta = qt.to_state()
+        for part, tensor in tensors.items():
+            assign_buffer(self.module, f"{self.name}_{part}", tensor)
+
+    def load(self) -> QuantizedTensor:
+        """The quantized tensor rebuilt from the buffers (a ``QuantizedTensor`` sharing their storage)."""
+        from ..quant import QuantizedTensor
+
+        if not self.quantized:
+            raise TypeError(f"{self.name!r} is stored plain ({self.storage!r}), not quantized: read it with value()")
+        start, prefix = len(self.name) + 1, self.name + "_"
+        tensors = {name[start:]: t for name, t in self.module._buffers.items() if name.startswith(prefix)}
+        return QuantizedTensor.from_state(tensors, self.meta)  # type: ignore[arg-type]
+
+    def value(self, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor in `dtype`: the buffer itself when it has that dtype, else a (dequantized) copy.
+
+        Called for W0 and each basis in every forward and backward: it rebuilds the quantized tensor
+        itself (as :meth:`load` does) rather than through another call."""
+        buffers = self.module._buffers
+        if not self.quantized:
+            # A plain store always has its buffer once stored (the layer stores at construction).
+            return buffers[self.name].to(dtype)  # type: ignore[union-attr]
+        from ..quant import QuantizedTensor
+
+        start, prefix = len(self.name) + 1, self.name + "_"
+        tensors = {name[start:]: t for name, t in buffers.items() if name.startswith(prefix)}
+        # Set by store() with the buffers; a quantized store's buffers are never None.
+        return QuantizedTensor.from_state(tensors, self.meta).dequantize(dtype)  # type: ignore[arg-type]
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers that hold it."""
+        tensors = [self.module._buffers[name] for name in self.buffer_names()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    # bf16 is the top 16 bits of fp32: adding uniform noise to the 16 discarded bits and truncating
+    # rounds up with probability equal to the discarded fraction, which makes the rounding unbiased
+    # (Gupta et al. 2015). Without it, folds smaller than half a bf16 ulp of W0 would be lost.
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=generator, device=generator.device, dtype=torch.int32)
+    rounded = (bits + noise.to(x.device)) & ~0xFFFF
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def _relative_rms(approx: torch.Tensor, exact: torch.Tensor, chunk: int = 1 << 22) -> float:
+    """rms(approx - exact) / rms(exact), summed over chunks of `chunk` values so that measuring the
+    quantization error of a large weight adds no full-size temporaries to a refresh step.
+
+    Looked up as a module attribute at each call: the memory planner swaps it for a two-chunk version
+    under fake tensors (``plan.trace``)."""
+    a, e = approx.reshape(-1), exact.reshape(-1)
+    err = ref = torch.zeros((), dtype=torch.float64, device=e.device)
+    for start in range(0, e.numel(), chunk):
+        ec = e[start : start + chunk].to(torch.float32)
+        ref = ref + ec.square().sum(dtype=torch.float64)
+        err = err + (a[start : start + chunk].to(torch.float32) - ec).square().sum(dtype=torch.float64)
+    if e.numel() == 0:
+        return 0.0
+    return float(err.sqrt() / ref.sqrt().clamp_min(1e-30))
