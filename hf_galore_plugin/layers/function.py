@@ -98,20 +98,22 @@ class GaLoreLinearFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         scale = layer.config.scale
+        # The bases are read (dequantized, for INT4/INT8 storage) once for both low-rank terms, and freed
+        # before W0 is: no basis copy is alive next to the W0 copy, and the W0 term is formed in place so
+        # that W0, the low-rank term and dX are the most that is alive at once.
+        p, q = layer.basis("left", dy.dtype), layer.basis("right", dy.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_factor = lowrank_backward_factor(dy, x2, p, q, scale, layer.galore_factor.dtype)
         if ctx.needs_input_grad[0]:
-            base = layer.base_weight(grad_out.dtype)
-            grad_x = (grad_out @ base) * layer.base_multiplier.to(grad_out.dtype)
-            del base
-            # Each branch reads (dequantizes) the bases itself and frees them before the next tensor is
-            # allocated, so no basis copy is alive next to the W0 copy above or to the sum below.
-            p, q = layer.basis("left", grad_out.dtype), layer.basis("right", grad_out.dtype)
             lowrank = lowrank_backward_input(grad_out, factor, p, q, scale)
             del p, q
-            grad_x = grad_x + lowrank
+            base = layer.base_weight(grad_out.dtype)
+            grad_x = grad_out @ base
+            del base
+            grad_x.mul_(layer.base_multiplier.to(grad_out.dtype))
+            grad_x.add_(lowrank)
             del lowrank
-        if ctx.needs_input_grad[1]:
-            p, q = layer.basis("left", dy.dtype), layer.basis("right", dy.dtype)
-            grad_factor = lowrank_backward_factor(dy, x2, p, q, scale, layer.galore_factor.dtype)
+        else:
             del p, q
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(0)
