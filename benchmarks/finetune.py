@@ -272,6 +272,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(1000 + job["seed"])
     losses, state_bytes, diverged = [], {}, False
+    group_lrs = []  # the first parameter group's rate at each step (the encoder's; the head's for head_only)
     while len(losses) < steps and not diverged:
         order = torch.randperm(n, generator=generator)
         for index in range(steps_per_epoch):
@@ -280,6 +281,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             loss = nn.functional.cross_entropy(logits, data["train_label"][batch])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            group_lrs.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
             after_step()
             if len(losses) == steps - 1:
@@ -303,6 +305,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "knobs": knobs,
         "trainable_params": sum(p.numel() for p in trainable),
         "train_losses": losses,
+        "first_group_lrs": group_lrs,
         "first_train_loss": sum(losses[: len(tail)]) / len(tail),
         "final_train_loss": sum(tail) / len(tail),
         "diverged": diverged,
