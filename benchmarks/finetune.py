@@ -557,6 +557,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for lr in rates_of(args, m, f)
     ]
     if args.extend_from:
+        check_same_knobs(args.extend_from, args.knobs, budget)
         results = _common.extend_runs(
             extend_from=args.extend_from,
             out=args.out,
@@ -585,6 +586,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     write_report(args, results, time.perf_counter() - started, factors)
     data_path.unlink()
     return 0
+
+
+def check_same_knobs(extend_from: pathlib.Path, knobs: dict[str, Any], budget: Budget) -> None:
+    """Refuse to extend finished runs with runs of other settings: the best rate would mix them."""
+    for line in extend_from.read_text().splitlines():
+        if not line.strip():
+            continue
+        old = {**default_knobs(budget), **json.loads(line).get("knobs", {})}
+        if old != knobs:
+            differ = sorted(k for k in knobs if old.get(k) != knobs[k])
+            raise SystemExit(
+                f"--extend-from {extend_from}: its runs were made with {', '.join(f'{k}={old.get(k)!r}' for k in differ)}, "
+                f"this invocation asks for {', '.join(f'{k}={knobs[k]!r}' for k in differ)}; pass the same "
+                "--galore-*/--warmup-ratio options as the runs it extends"
+            )
 
 
 def rates_of(args: argparse.Namespace, method: str, factor: float) -> list[float]:
