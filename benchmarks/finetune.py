@@ -472,7 +472,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="GaLore update_proj_gap in steps (default: 40 of the 120 steps, 4 with --quick); >= the run's\n"
         "steps: the calibration basis is never refreshed",
     )  # fmt: skip
-    knobs.add_argument("--galore-scale", type=float, default=GALORE_SCALE, help=f"GaLore scale (default {GALORE_SCALE:g})")
+    knobs.add_argument(
+        "--galore-scale", type=float, default=GALORE_SCALE, help=f"GaLore scale (default {GALORE_SCALE:g})"
+    )
     knobs.add_argument(
         "--galore-targets", default="attn+mlp", choices=sorted(TARGET_SETS),
         help="encoder layers the low-rank methods (GaLore, LoRA) act on; the others train fully at the\n"
