@@ -517,6 +517,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         except (ValueError, SyntaxError):
             value = text
         overrides.append([field, value])
+    if overrides and "galore_torch" in args.methods:
+        parser.error(
+            "--galore-option sets fields of our GaLoreConfig, which galore_torch does not read: run galore_torch "
+            "without it, or drop galore_torch from --methods"
+        )
     from hf_galore_plugin import GaLoreConfig
 
     gap = args.galore_gap if args.galore_gap is not None else args.budget.gap

