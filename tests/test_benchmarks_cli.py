@@ -197,3 +197,15 @@ def test_finetune_refuses_a_bad_setting_by_name(tmp_path, option, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr
     assert not (tmp_path / "tokens.pt").exists()  # refused before any data was built
+
+
+def test_finetune_extend_refuses_runs_of_other_settings(tmp_path):
+    """Extending runs made at rank 128 with a rank-8 invocation would pick a best rate across two settings."""
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps({"method": "galore_adamw", "lr": 5e-5, "seed": 0, "knobs": {"rank": 128}}) + "\n")
+    proc = subprocess.run([sys.executable, "benchmarks/finetune.py", "--quick", "--methods", "galore_adamw",
+                           "--extend-from", str(old), "--out", str(tmp_path / "out")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode != 0
+    assert "were made with rank=128, this invocation asks for rank=8" in proc.stderr
+    assert not (tmp_path / "out" / "runs.jsonl").exists()  # nothing copied, nothing run
