@@ -14,6 +14,7 @@ model = merge_and_unload(model)    # plain nn.Linear layers, merged weights
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -166,7 +167,6 @@ def _check_step_driver(model: nn.Module) -> None:
     """Warn when the optimizer has stepped twice and ``after_step`` never ran: without it no layer leaves its
     calibration step (no basis, the factor's update is zero, the effective weight never changes) and
     every layer keeps a dense fp32 gradient."""
-    import warnings
 
     layers = list(iter_galore_layers(model))
     if layers and not any(getattr(layer, "_galore_driven", False) for _, layer in layers):
@@ -263,6 +263,26 @@ def create_optimizer(
     return optimizer
 
 
+def _warn_lr_scale_not_applied(config: GaLoreConfig, optimizer: torch.optim.Optimizer) -> None:
+    """Once per optimizer: a non-default ``lr_scale`` / ``lr_recovery_fraction`` is applied by GaLoreCallback
+    (a Trainer run) only; outside it the GaLore groups step at the rate they were given."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
+    if getattr(inner, "_galore_lr_hooks_installed", None) is not None or getattr(inner, "_galore_lr_warned", False):
+        return
+    default = GaLoreConfig.__dataclass_fields__["lr_scale"].default
+    if config.lr_scale == default and config.lr_recovery_fraction == 0.0:
+        return
+    inner._galore_lr_warned = True
+    warnings.warn(
+        f"lr_scale={config.lr_scale} and lr_recovery_fraction={config.lr_recovery_fraction} are applied by "
+        "GaLoreCallback in a Trainer run; this optimizer steps its GaLore groups at the rate they were given. "
+        "Outside a Trainer, set the GaLore groups' lr yourself (param_groups with 'galore': True), or attach "
+        "GaLoreCallback to the Trainer that steps this optimizer",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def after_step(
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer] = None,
@@ -280,6 +300,8 @@ def after_step(
     layers = list(iter_galore_layers(model))
     for _, layer in layers:
         layer._galore_driven = True
+    if layers and optimizer is not None:
+        _warn_lr_scale_not_applied(layers[0][1].config, optimizer)
     stepped: dict[str, tuple[bool, Optional[float]]] = {}
     due_layers = [(name, layer) for name, layer in layers if layer.refresh_due]
     if due_layers and not gathers_parameters(optimizer):

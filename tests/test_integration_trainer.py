@@ -7,6 +7,7 @@ Tiny Llama (hidden 64, 2 layers) on random token ids; every test trains a few st
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -133,9 +134,13 @@ def test_explicit_callback_with_own_optimizer(tmp_path):
     trainer = Trainer(
         model=model, args=args, train_dataset=token_data(), callbacks=[GaLoreCallback()], optimizers=(optimizer, None)
     )
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
     assert all(int(layer.galore_num_refreshes) >= 2 for _, layer in hgp.galore_layers(model))
     assert trainer.state.log_history[0]["galore/lr_multiplier"] == 0.5
+    # the callback applies lr_scale: after_step does not warn that it is not applied
+    assert not [w for w in caught if "GaLoreCallback in a Trainer run" in str(w.message)]
 
 
 # ---------------------------------------------------------------------- checkpoints

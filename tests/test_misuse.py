@@ -92,6 +92,29 @@ def test_plain_loop_with_after_step_does_not_warn_and_trains():
     assert all(not torch.equal(before[name], after[name]) for name in before)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "warns"),
+    [({}, False), ({"lr_scale": 0.9}, True), ({"lr_recovery_fraction": 0.1}, True), ({"lr_scale": 1.0}, True)],
+)
+def test_plain_loop_with_a_non_default_lr_scale_warns_once_that_it_is_not_applied(overrides, warns):
+    model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4, **overrides))
+    optimizer = hgp.create_optimizer(model, lr=1e-2)
+    batch = torch.randint(0, 128, (2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            hgp.after_step(model, optimizer)
+            optimizer.zero_grad()
+    messages = [str(w.message) for w in caught if "GaLoreCallback in a Trainer run" in str(w.message)]
+    assert len(messages) == (1 if warns else 0)
+    if warns:
+        assert "lr_scale=" in messages[0] and "param_groups" in messages[0]
+    # not applied, as the warning says: every group keeps the rate it was given
+    assert {group["lr"] for group in optimizer.param_groups} == {1e-2}
+
+
 def test_trainer_with_own_optimizer_gets_the_callback_and_trains(tmp_path):
     model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4, update_proj_gap=2))
     optimizer = hgp.create_optimizer(model, lr=1e-2)
