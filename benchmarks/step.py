@@ -26,7 +26,7 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -105,7 +105,7 @@ def median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, partial: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     size = args.size
     generator = torch.Generator().manual_seed(0)
     batches = [
@@ -133,12 +133,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reference = median(baseline.ordinary)
         group_rows = {baseline.name: baseline.ordinary}
         for runner in runners[1:]:
-            if runner.method == args.profile:
+            if runner.method == args.profile and rank == args.ranks[0]:
                 profiles[runner.name] = profile(runner, batches[0])
             rows[runner.name] = summary(runner.ordinary, runner.refresh, reference, args.gap)
         rows.setdefault(baseline.name, {"samples": []})["samples"] += group_rows[baseline.name]
         del runners
         gc.collect()
+        if partial is not None:  # a long run leaves the finished rank groups behind if it is stopped
+            samples = rows[baseline.name]["samples"]
+            done = {baseline.name: summary(samples, [], median(samples), args.gap)}
+            done.update((name, row) for name, row in rows.items() if name != baseline.name)
+            partial(result(args, done, profiles))
     if args.profile == baseline.method:
         profiles[baseline.name] = profile(baseline, batches[0])
     # The baseline's row pools its steps of every group; each preset row names its own group's median.
@@ -146,9 +151,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = {baseline.name: summary(samples, [], median(samples), args.gap), **rows}
     del baseline
     gc.collect()
+    return result(args, rows, profiles)
+
+
+def result(args: argparse.Namespace, rows: dict[str, Any], profiles: dict[str, str]) -> dict[str, Any]:
     return {
-        "size": size,
-        "config": SIZES[size],
+        "size": args.size,
+        "config": SIZES[args.size],
         "batch": args.batch,
         "seq_len": args.seq_len,
         "rank": args.rank,
@@ -238,7 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", help="GaLore ranks, each with all three presets")
     parser.add_argument("--baseline", choices=("adamw_torch", "adamw_fused"), default="adamw_torch",
                         help="reference optimizer: torch AdamW's default (foreach) or fused=True")  # fmt: skip
-    parser.add_argument("--profile", choices=OURS + ("adamw_torch", "adamw_fused"), help="profile this method")
+    parser.add_argument("--profile", choices=OURS + ("adamw_torch", "adamw_fused"),
+                        help="profile this method (at the first of --ranks)")  # fmt: skip
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "outputs" / "benchmarks")
     args = parser.parse_args(argv)
@@ -261,11 +271,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    result = run(args)
-    text = report(result)
-    print(text)
-    (args.out / "step.md").write_text(text + "\n")
-    (args.out / "step.json").write_text(json.dumps(result, indent=2))
+    def write(done: dict[str, Any]) -> str:
+        text = report(done)
+        (args.out / "step.md").write_text(text + "\n")
+        (args.out / "step.json").write_text(json.dumps(done, indent=2))
+        return text
+
+    print(write(run(args, partial=write if len(args.ranks) > 1 else None)))
     print(f"\nwrote {args.out / 'step.md'}\nwrote {args.out / 'step.json'}")
     return 0
 
