@@ -122,3 +122,23 @@ def test_step_benchmark_quick(tmp_path):
         low, high = sorted((row["median_step_s"], row["median_refresh_step_s"]))
         assert low <= row["amortized_step_s"] <= high, row
         assert 0 < row["ratio_vs_adamw"] < math.inf
+        # the spread is that of the ordinary steps alone; the ratio is to the baseline of the same rounds
+        assert row["min_step_s"] <= row["median_step_s"] <= row["max_step_s"], row
+        assert sorted(row["step_samples_s"])[0] == row["min_step_s"] and len(row["step_samples_s"]) == 2, row
+        assert row["baseline_step_s"] == rows["adamw_torch"]["median_step_s"], row
+        assert row["ratio_vs_adamw"] == pytest.approx(row["median_step_s"] / row["baseline_step_s"]), row
+    assert "normal step ms (min-max, n)" in stdout
+
+
+def test_step_benchmark_ranks_group_by_rank(tmp_path):
+    # issue 13's layout on the tiny model: several ranks, fused AdamW, each preset against its own rounds
+    stdout = _run("benchmarks/step.py", "--quick", "--steps", "2", "--measure-gap", "1000", "--ranks", "32", "16",
+                  "--baseline", "adamw_fused", "--out", str(tmp_path))  # fmt: skip
+    rows = json.loads((tmp_path / "step.json").read_text())["rows"]
+    presets = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+    assert list(rows) == ["adamw_fused"] + [f"{m} (rank {r})" for r in (32, 16) for m in presets]
+    # the baseline steps once per round of every rank group; its row pools them
+    assert rows["adamw_fused"]["ordinary_steps"] == 4 and rows["adamw_fused"]["refresh_steps"] == 0
+    baselines = {rows[f"{m} (rank {r})"]["baseline_step_s"] for r in (32, 16) for m in presets}
+    assert len(baselines) <= 2 and all(b > 0 for b in baselines)
+    assert "| galore_adamw (rank 16) |" in stdout

@@ -475,3 +475,35 @@ def test_finite_input_wider_than_float32_range_stays_finite(scheme, bits, stocha
     alone = hq.quantize(x[64:], scheme=scheme, bits=bits, block_size=64, double_quant=False)
     if not stochastic:
         assert torch.equal(out[64:], alone.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("scheme,bits", CONFIGS)
+@pytest.mark.parametrize("shape,block_size", [((4096,), 256), ((32, 128), 64), ((4097,), 256), ((33, 65), 64)])
+def test_dequantize_equals_per_block_formula(scheme, bits, shape, block_size):
+    # Oracle: every value is code * step (+ zero point) of its block, computed on the padded whole-block
+    # layout; dequantize skips the pad (whole blocks) and the zero offset pass and must give the same bits.
+    from hf_galore_plugin.codes import code_levels, nibble_offset
+    from hf_galore_plugin.quant.functional import dequantize_blockwise_torch, grid_table
+
+    x = _randn(shape, torch.float32)
+    qt = hq.quantize(x, scheme=scheme, bits=bits, block_size=block_size)
+    numel = x.numel()
+    codes = hq.unpack_int4(qt.codes, numel=numel) if bits == 4 else qt.codes[:numel]
+    values = codes.to(torch.float32) - float(nibble_offset(scheme, bits))
+    blocks = torch.nn.functional.pad(values, (0, -numel % block_size)).view(-1, block_size)
+    scales, levels = qt.block_scales(), code_levels(scheme, bits)
+    if scheme == "symmetric":
+        expected = blocks * (scales / float(levels))[:, None]
+    elif scheme == "asymmetric":
+        expected = blocks * scales[:, None] + qt.zero_points[:, None]
+    elif scheme == "uniform":
+        expected = (blocks * (2.0 / levels) - 1.0) * scales[:, None]
+    else:
+        expected = grid_table(codes.device)[blocks.long()] * scales[:, None]
+    expected = expected.reshape(-1)[:numel].view(shape)
+    assert torch.equal(qt.dequantize(torch.float32), expected)
+    got = dequantize_blockwise_torch(
+        qt.codes, scales, qt.zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel,
+        dtype=torch.float32,
+    )  # fmt: skip
+    assert torch.equal(got.view(shape), expected)

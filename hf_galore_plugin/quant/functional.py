@@ -235,9 +235,14 @@ def dequantize_blockwise_torch(
 ) -> torch.Tensor:
     """Inverse of `quantize_blockwise_torch`: a flat tensor of `numel` values in `dtype`."""
     values = unpack_int4(codes, numel=numel) if bits == 4 else codes[:numel]
-    values = values.to(torch.float32) - float(nibble_offset(scheme, bits))
+    values = values.to(torch.float32)
+    # Each skipped step below is a full pass over the tensor (an int8 W0 is dequantized in every forward
+    # and backward): subtracting a zero offset and padding a whole number of blocks change no value.
+    offset = nibble_offset(scheme, bits)
+    if offset:
+        values = values - float(offset)
     pad = -numel % block_size
-    blocks = torch.nn.functional.pad(values, (0, pad)).view(-1, block_size)
+    blocks = (torch.nn.functional.pad(values, (0, pad)) if pad else values).reshape(-1, block_size)
     levels = code_levels(scheme, bits)
     if scheme == "symmetric":
         out = blocks * (scales / float(levels))[:, None]
