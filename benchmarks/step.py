@@ -2,7 +2,7 @@
 
     python benchmarks/step.py            # Llama ~60M (hidden 512, 8 layers, vocab 32000), 2 x 128 tokens
     python benchmarks/step.py --quick    # a small Llama, for CI (well under a minute)
-    python benchmarks/step.py --issue13  # issue 13's table: hidden 1024, 4 layers, vocab 30000, 4 x 256
+    python benchmarks/step.py --speed-targets  # the step-time targets: hidden 1024, 4 layers, vocab 30000, 4 x 256
                                          # tokens, ranks 256/128/64 (hidden/4, /8, /16) vs fused AdamW, 2 threads
     python benchmarks/step.py ... --profile galore_adamw --measure-gap 1000
                                          # + a torch.profiler table of 2 ordinary steps of that method
@@ -229,9 +229,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small Llama, 2 x 64 tokens (CI smoke run)")
     parser.add_argument(
-        "--issue13",
+        "--speed-targets",
         action="store_true",
-        help="issue 13's setting: --size h1024 --batch 4 --seq-len 256 --ranks 256 128 64 --baseline adamw_fused "
+        help="the step-time targets' setting: --size h1024 --batch 4 --seq-len 256 --ranks 256 128 64 --baseline adamw_fused "
         "--threads 2 --steps 10 --measure-gap 5 (explicit options still win)",
     )
     parser.add_argument("--steps", type=int, default=12, help="timed rounds (one step of every method each)")
@@ -252,7 +252,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "outputs" / "benchmarks")
     args = parser.parse_args(argv)
-    if args.issue13:
+    if args.speed_targets:
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
         if "--rank" in given:
             given.add("--ranks")
