@@ -62,17 +62,24 @@ def effective(model) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- item 6: the step driver
-def test_plain_loop_without_after_step_warns_once_naming_the_fix():
-    model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
-    optimizer = hgp.create_optimizer(model, lr=1e-2)
+def _plain_loop(model, optimizer, steps: int, *, drive: bool) -> list[str]:
+    """`steps` plain training steps (with `after_step` when `drive`); the messages of every warning."""
     batch = torch.randint(0, 128, (2, 8))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(4):
+        for _ in range(steps):
             model(input_ids=batch, labels=batch).loss.backward()
             optimizer.step()
+            if drive:
+                hgp.after_step(model, optimizer)
             optimizer.zero_grad()
-    messages = [str(w.message) for w in caught if "after_step" in str(w.message)]
+    return [str(w.message) for w in caught]
+
+
+def test_plain_loop_without_after_step_warns_once_naming_the_fix():
+    model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
+    optimizer = hgp.create_optimizer(model, lr=1e-2)
+    messages = [m for m in _plain_loop(model, optimizer, 4, drive=False) if "after_step" in m]
     assert len(messages) == 1 and "GaLoreCallback" in messages[0]
 
 
@@ -99,15 +106,7 @@ def test_plain_loop_with_after_step_does_not_warn_and_trains():
 def test_plain_loop_with_a_non_default_lr_scale_warns_once_that_it_is_not_applied(overrides, warns):
     model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4, **overrides))
     optimizer = hgp.create_optimizer(model, lr=1e-2)
-    batch = torch.randint(0, 128, (2, 8))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            model(input_ids=batch, labels=batch).loss.backward()
-            optimizer.step()
-            hgp.after_step(model, optimizer)
-            optimizer.zero_grad()
-    messages = [str(w.message) for w in caught if "GaLoreCallback in a Trainer run" in str(w.message)]
+    messages = [m for m in _plain_loop(model, optimizer, 3, drive=True) if "GaLoreCallback in a Trainer run" in m]
     assert len(messages) == (1 if warns else 0)
     if warns:
         assert "lr_scale=" in messages[0] and "param_groups" in messages[0]
