@@ -6,7 +6,7 @@
 //
 // Speed: each block is handled in three passes over L1-resident buffers so every byte of the state,
 // parameter and gradient is read once and written once per step:
-//   1. decode m and v (code-book gathers), the Adam update, the parameter write, and the running
+//   1. decode m and v (code-book lookups), the Adam update, the parameter write, and the running
 //      absmax of the new m and v;
 //   2. encode m and v against their absmax (one packed bucket-table gather each, see `Book`)
 //      and, with error feedback, the residuals x - decode(encode(x)) and their absmax;
@@ -83,15 +83,27 @@ inline void update_one(const Scalars& s, float m, float v, float g, float& p, fl
 inline float divisor_of(float absmax) { return absmax > 0.0f ? absmax : 1.0f; }
 
 #ifdef __AVX2__
+// book[index[j]] for the 8 byte-sized indices packed in `index` (byte j = bits 8j..8j+7), as scalar
+// loads: AVX2 gathers are microcoded on the AMD cores this runs on and cost more than eight loads
+// (measured: the step 3.4 -> 3.0 ns per value with L1-resident data, 7% to 40% on whole steps).
+inline __m256 lookup8(uint64_t index, const float* book) {
+  const uint64_t k = index;
+  const __m128 lo = _mm_setr_ps(book[k & 255], book[(k >> 8) & 255], book[(k >> 16) & 255], book[(k >> 24) & 255]);
+  const __m128 hi = _mm_setr_ps(book[(k >> 32) & 255], book[(k >> 40) & 255], book[(k >> 48) & 255], book[k >> 56]);
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+}
+
 inline __m256 decode8_signed(const int8_t* codes, const float* book, __m256 scale) {
-  const __m256i idx = _mm256_add_epi32(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))), _mm256_set1_epi32(128));
-  return _mm256_mul_ps(_mm256_i32gather_ps(book, idx, 4), scale);
+  uint64_t k;
+  std::memcpy(&k, codes, 8);
+  // int8 code c is book index c + 128: flipping each byte's top bit adds 128 modulo 256.
+  return _mm256_mul_ps(lookup8(k ^ 0x8080808080808080ULL, book), scale);
 }
 
 inline __m256 decode8_unsigned(const uint8_t* codes, const float* book, __m256 scale) {
-  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-  return _mm256_mul_ps(_mm256_i32gather_ps(book, idx, 4), scale);
+  uint64_t k;
+  std::memcpy(&k, codes, 8);
+  return _mm256_mul_ps(lookup8(k, book), scale);
 }
 
 inline __m256 abs8(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
@@ -145,7 +157,10 @@ void encode(const float* x, int64_t w, float absmax, Code* codes, const Book& bo
     const __m256i index = nearest8(xi, vdiv, book);
     store8(index, offset, codes + i);
     if (residual) {
-      const __m256 r = _mm256_sub_ps(xi, _mm256_mul_ps(_mm256_i32gather_ps(book.values, index, 4), vabs));
+      uint64_t stored;
+      std::memcpy(&stored, codes + i, 8);
+      if (offset) stored ^= 0x8080808080808080ULL;  // back from int8 codes to book indices
+      const __m256 r = _mm256_sub_ps(xi, _mm256_mul_ps(lookup8(stored, book.values), vabs));
       _mm256_storeu_ps(residual + i, r);
       vrmax = _mm256_max_ps(vrmax, abs8(r));
     }
