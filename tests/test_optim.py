@@ -618,6 +618,30 @@ def test_8bit_compile_off_by_environment_never_builds(monkeypatch):
     _twin_runs(70037, error_feedback=False, backends=(None,), steps=1)
 
 
+@pytest.mark.parametrize("n", [1, 1000, 4099])
+def test_8bit_small_fp32_tensors_take_the_cpp_step_not_the_eager_one(monkeypatch, n):
+    # A model's norms and biases are small: the default dispatch must send them to the C++ step
+    # (microseconds) rather than the eager twin's ~40 torch operations, with the twin's results.
+    from hf_galore_plugin.optim import adamw8bit
+
+    g = torch.Generator().manual_seed(n)
+    start, grad = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
+    eager_p, eager_state = start.clone(), _eight_bit_state(n, False)
+    for step in (1, 2):
+        adamw8bit.adamw8bit_step_torch(eager_p, grad, *eager_state, step=step, backend="eager", **hyper)
+
+    def eager_not_expected(*args, **kwargs):
+        raise AssertionError("the eager step ran for a small fp32 CPU tensor")
+
+    monkeypatch.setattr(adamw8bit, "_step_blocks", eager_not_expected)
+    param, state = start.clone(), _eight_bit_state(n, False)
+    for step in (1, 2):
+        adamw8bit.adamw8bit_step_torch(param, grad, *state, step=step, **hyper)
+    assert torch.equal(param, eager_p)
+    assert all(torch.equal(a, b) for a, b in zip(state[:4], eager_state[:4]))
+
+
 def test_8bit_backend_argument_is_checked():
     from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
 

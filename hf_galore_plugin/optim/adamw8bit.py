@@ -17,10 +17,12 @@ the 64x128 least-squares problem of tests/test_optim.py (500 steps, lr 1e-3): no
 first-moment residual only 5.6%, second-moment only 0.62%, both 0.03% relative weight deviation
 from fp32 AdamW. Cost: 1 byte + 4/block_size per value per moment.
 
-CPU speed: the torch step is one function over (blocks, block_size) tiles; on tensors of at least
-`COMPILE_MIN_NUMEL` values it runs as C++ (adamw8bit_cpu.cpp, built once with torch's
-cpp_extension) or through `torch.compile` (inductor emits one vectorized C++ loop nest instead of
-~40 passes over memory). Both are bit-identical to the eager function (tests/test_optim.py
+CPU speed: the torch step is one function over (blocks, block_size) tiles. With fp32 contiguous
+parameter and gradient it runs as C++ at every size (adamw8bit_cpu.cpp, built once with torch's
+cpp_extension; one call and no parallel region below 256K values, so the many small tensors of a
+model, norms and biases, cost microseconds rather than the ~40 torch operations of the eager
+step); otherwise, on tensors of at least `COMPILE_MIN_NUMEL` values, through `torch.compile`
+(inductor emits one vectorized C++ loop nest instead of ~40 passes over memory). Both are bit-identical to the eager function (tests/test_optim.py
 checks it); where a build fails (no C++ compiler, an unsupported torch) the next one runs and one
 warning says why; `HF_GALORE_COMPILE=0` turns compilation off.
 """
@@ -133,7 +135,8 @@ _SCALARS = (
     "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2",
     "step_size", "bias_correction2_sqrt", "sq_floor", "eps",
 )  # fmt: skip
-# Below this many values the compiled call's fixed cost (~0.1 ms of guards and launch) is not worth it.
+# Below this many values the torch.compile'd call's fixed cost (~0.1 ms of guards and launch) is not
+# worth it; the C++ step has no such cost and runs at every size.
 COMPILE_MIN_NUMEL = 1 << 16
 
 
@@ -335,7 +338,7 @@ def adamw8bit_step_torch(
 
     `backend`: "eager" (torch ops), "inductor" (`torch.compile` of the same function on the full
     blocks), "cpp" (adamw8bit_cpu.cpp: fp32 CPU param and grad only), or None: "cpp" where it
-    applies and n >= COMPILE_MIN_NUMEL, else "inductor" for n >= COMPILE_MIN_NUMEL, else "eager";
+    applies (any n), else "inductor" for n >= COMPILE_MIN_NUMEL, else "eager";
     a backend that cannot be built falls back to the next one with one warning. All three give
     bit-identical results on finite values (tests/test_optim.py).
     """
@@ -359,15 +362,18 @@ def adamw8bit_step_torch(
     if backend is None:
         # Fake and meta tensors (the memory planner's trace) have no data to hand to a compiled step,
         # and a failed build under them would disable the compiled steps for the real ones.
-        big = n >= COMPILE_MIN_NUMEL and _compile_enabled() and not _is_traced(param, grad)
-        backend = ("cpp" if _cpp_applies(param, grad) else "inductor") if big else "eager"
+        compiled = _compile_enabled() and not _is_traced(param, grad)
+        if compiled and _cpp_applies(param, grad):
+            backend = "cpp"
+        else:
+            backend = "inductor" if compiled and n >= COMPILE_MIN_NUMEL else "eager"
     if backend == "cpp":
         if not _cpp_applies(param, grad):
             raise ValueError("adamw8bit_step_torch: backend='cpp' needs fp32 contiguous CPU param and grad")
         cpp_books = (books[0], _packed_lookup_table(True), books[3], _packed_lookup_table(False))
         if _run_cpp(*flat, scalars, *cpp_books, block_size):
             return
-        backend = "inductor"
+        backend = "inductor" if n >= COMPILE_MIN_NUMEL else "eager"
     full = n // block_size
     # Blocks are independent: full blocks as one (full, block_size) tile, the partial last block as (1, rest).
     for rows, begin, end in ((full, 0, full * block_size), (1, full * block_size, n)):
