@@ -642,6 +642,40 @@ def test_8bit_small_fp32_tensors_take_the_cpp_step_not_the_eager_one(monkeypatch
     assert all(torch.equal(a, b) for a, b in zip(state[:4], eager_state[:4]))
 
 
+@pytest.mark.parametrize("build_seconds, notices", [(0.6, 1), (0.0, 0)])
+def test_8bit_cpp_build_says_what_the_wait_is_only_when_it_is_long(monkeypatch, caplog, build_seconds, notices):
+    # A first build of the C++ step takes minutes on a small machine: one log line names it and its
+    # cache; a cached build (about a second) stays quiet.
+    import logging
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from hf_galore_plugin.optim import adamw8bit
+
+    real_load = cpp_extension.load
+
+    def load(*args, **kwargs):
+        time.sleep(build_seconds)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    _reset_backends(monkeypatch, adamw8bit)
+    monkeypatch.setattr(adamw8bit, "BUILD_NOTICE_SECONDS", 0.3)
+    n = 300
+    eager_p, eager_state = torch.ones(n), _eight_bit_state(n, False)
+    param, state = torch.ones(n), _eight_bit_state(n, False)
+    hyper = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
+    adamw8bit.adamw8bit_step_torch(eager_p, torch.full((n,), 0.5), *eager_state, backend="eager", **hyper)
+    with caplog.at_level(logging.WARNING, logger="hf_galore_plugin.optim.adamw8bit"):
+        adamw8bit.adamw8bit_step_torch(param, torch.full((n,), 0.5), *state, backend="cpp", **hyper)
+        time.sleep(0.4)  # a notice timer left running would fire here
+    messages = [r.getMessage() for r in caplog.records if "building the CPU 8-bit AdamW step" in r.getMessage()]
+    assert len(messages) == notices, messages
+    assert all("HF_GALORE_COMPILE=0" in m for m in messages)
+    assert torch.equal(param, eager_p)
+
+
 def test_8bit_backend_argument_is_checked():
     from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
 

@@ -30,7 +30,9 @@ warning says why; `HF_GALORE_COMPILE=0` turns compilation off.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import threading
 import warnings
 
 import torch
@@ -47,6 +49,8 @@ from hf_galore_plugin.quant.dynamic import (
     quantize_dynamic_blockwise,
 )
 from hf_galore_plugin.utils import KERNEL_DISPATCH, use_triton
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "adam_step_scalars",
@@ -257,6 +261,22 @@ def _warn_fallback(what: str, failure: str, fallback: str) -> None:
     )
 
 
+# Seconds a C++ build may take before one log line says what the wait is.
+BUILD_NOTICE_SECONDS = 5.0
+
+
+def _log_build_notice() -> None:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    logger.warning(
+        "hf_galore_plugin: building the CPU 8-bit AdamW step (adamw8bit_cpu.cpp) once for this machine; "
+        "this takes one to three minutes and is cached under %s. Set HF_GALORE_COMPILE=0 to skip it "
+        "(slower steps).",
+        root,
+    )
+
+
 def _run_cpp(*args) -> bool:
     """Run the C++ step (adamw8bit_cpu.cpp, built once with torch's cpp_extension); False (after one
     warning) where it cannot be built."""
@@ -269,15 +289,23 @@ def _run_cpp(*args) -> bool:
 
             # The source's lookup constants must be the ones the tables were built with.
             assert (LOOKUP_SHIFT, LOOKUP_BASE, LOOKUP_BUCKETS) == (15, (127 - 32) << 8, 33 << 8)
-            _cpp_extension = load(
-                name="hf_galore_adamw8bit_cpu",
-                sources=[_CPP_SOURCE],
-                # -march=native: the build is cached per machine (TORCH_EXTENSIONS_DIR) and runs where
-                # it was built; vector gathers, division and sqrt round exactly as scalar ones.
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            # A first build takes a minute or more on a small machine, a cached one about a second:
+            # say what the wait is only when it is long.
+            notice = threading.Timer(BUILD_NOTICE_SECONDS, _log_build_notice)
+            notice.daemon = True
+            notice.start()
+            try:
+                _cpp_extension = load(
+                    name="hf_galore_adamw8bit_cpu",
+                    sources=[_CPP_SOURCE],
+                    # -march=native: the build is cached per machine (TORCH_EXTENSIONS_DIR) and runs
+                    # where it was built; vector division and sqrt round exactly as scalar ones.
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
+            finally:
+                notice.cancel()
         _cpp_extension.adamw8bit_step_cpu(*args)
         return True
     except Exception as error:  # no compiler, no ninja, a failed build
