@@ -111,8 +111,8 @@ def build_llama(shape: Shape, *, seed: int, init_device=None, device=None, dtype
 def preset_names() -> tuple[str, ...]:
     """The optimizer presets hf_galore_plugin declares (GaLoreConfig.preset names), in its order.
 
-    A function, not a constant: importing the plugin here would register its optimizer names before
-    `_common` sets HF_GALORE_PLUGIN_NO_TAKEOVER."""
+    A function, not a constant: importing the plugin when this module loads would register its
+    optimizer names before `_common` sets HF_GALORE_PLUGIN_NO_TAKEOVER."""
     from hf_galore_plugin import PRESETS
 
     return tuple(PRESETS)
