@@ -1,5 +1,5 @@
-"""What the quality and fine-tuning benchmarks share: one optimizer setup per method, exact
-training-state bytes, the learning-rate schedule, seed statistics and the loss-curve plot.
+"""What the quality and fine-tuning benchmarks share: one optimizer setup per method, the learning-rate
+schedule, seed statistics and the loss-curve plot (models and byte counts: `_models`).
 
 Every method trains the same model object in the same plain PyTorch loop, so the only thing that
 differs between two runs of one seed is the method. Imports of the compared packages (peft,
@@ -28,7 +28,9 @@ from torch import nn
 # benchmarks: the plugin reads this variable when it is first imported, so set it before that.
 os.environ.setdefault("HF_GALORE_PLUGIN_NO_TAKEOVER", "1")
 
-OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+from _models import preset_names  # noqa: E402
+
+OURS = preset_names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,32 +239,7 @@ def method_note(method: str, setup: MethodSetup) -> str:
     return ""
 
 
-# ---------------------------------------------------------------------- measurement
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Exact bytes training holds besides activations, read while the gradients exist: parameters and
-    buffers (frozen and quantized weights included), gradients, optimizer state, projection bases
-    (our layers' basis buffers; galore-torch's projector matrices, which live in its optimizer state)."""
-    bases = [b for name, b in model.named_buffers() if "galore_basis_" in name]
-    others = [b for name, b in model.named_buffers() if "galore_basis_" not in name]
-    state, projectors = [], []
-    for per_param in optimizer.state.values():
-        for value in per_param.values():
-            if isinstance(value, torch.Tensor):
-                state.append(value)
-            elif hasattr(value, "ortho_matrix"):
-                projectors.append(value.ortho_matrix)
-    return {
-        "weights": _tensor_bytes(model.parameters()) + _tensor_bytes(others),
-        "grads": _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None),
-        "optimizer_state": _tensor_bytes(state),
-        "bases": _tensor_bytes(bases) + _tensor_bytes(projectors),
-    }
-
-
+# ---------------------------------------------------------------------- schedule, statistics, plots
 def warmup_cosine(steps: int, warmup_fraction: float = 0.1, final_ratio: float = 0.1) -> Callable[[int], float]:
     """Linear warmup, then cosine decay to `final_ratio` of the peak (the GaLore paper's schedule)."""
     warmup = max(1, int(steps * warmup_fraction))

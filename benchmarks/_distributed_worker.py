@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _models import build_llama, scaled_shape
+
 ENGINE = os.environ["ENGINE"]  # ddp | fsdp1 | fsdp2 | zero1 | zero2 | zero3
 METHOD = os.environ["METHOD"]  # adamw_torch | galore_adamw | galore_adamw_8bit | qgalore_adamw_8bit
 BASIS = os.environ.get("BASIS", "svd")
@@ -41,7 +43,7 @@ HIDDEN, LAYERS, RANK = (
     int(os.environ.get("LAYERS", 4)),
     int(os.environ.get("RANK_R", 64)),
 )
-SEQ, MICRO_BATCH, LR = 64, 4, 1e-3
+SEQ, MICRO_BATCH, LR, VOCAB = 64, 4, 1e-3, 1024
 
 # ------------------------------------------------------------------------------------ collective counting
 _BYTES = {"step": {}, "refresh": {}}
@@ -134,20 +136,7 @@ _DENSE_PARAMETERS = [0]
 
 
 def build_model() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HIDDEN // 64,
-        num_key_value_heads=HIDDEN // 64,
-        intermediate_size=int(HIDDEN * 2.6875) // 8 * 8,
-        vocab_size=1024,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model = build_llama(scaled_shape(HIDDEN, LAYERS, vocab_size=VOCAB), seed=0, max_position_embeddings=SEQ)
     _DENSE_PARAMETERS[0] = sum(p.numel() for p in model.parameters())
     if METHOD != "adamw_torch":
         import hf_galore_plugin as hgp
@@ -170,7 +159,7 @@ def make_optimizer(model: nn.Module):
 def batches(rank: int):
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(STEPS):
-        ids = torch.randint(0, 1024, (MICRO_BATCH, SEQ), generator=gen)
+        ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=gen)
         yield ids
 
 

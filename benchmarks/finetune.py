@@ -51,6 +51,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import _common  # noqa: E402
+import _models  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -285,7 +286,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             optimizer.step()
             after_step()
             if len(losses) == steps - 1:
-                state_bytes = _common.training_state_bytes(model, optimizer)
+                state_bytes = _models.training_state_bytes(model, optimizer)
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             losses.append(loss.item())

@@ -7,7 +7,7 @@ peak torch.cuda.max_memory_allocated of a ~1B Llama for AdamW, bitsandbytes Adam
                                                              # memory planner's peaks for the same settings
     python benchmarks/gpu_step.py step --method adamw --tiny --device cpu --out DIR   # smoke test of the code path
 
-Step model: LlamaConfig(hidden 2048, intermediate 5504, 22 layers, 32 heads, 4 KV heads, vocab 32000:
+Step model: Llama (_models.SHAPES["1.1b"]: hidden 2048, intermediate 5504, 22 layers, 32 heads, 4 KV heads, vocab 32000:
 TinyLlama-1.1B's shape), bf16 weights, batch 4 x 512 tokens, activation checkpointing off. A step is
 forward + backward + optimizer.step() (+ after_step for ours) + zero_grad(set_to_none). Steps 0-2 are
 warm-up (step 0 is our calibration step, which also computes the first bases); the median of the
@@ -28,14 +28,12 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-import _common  # noqa: E402,F401  (keeps transformers' own optimizer names untouched)
+import _common  # noqa: E402  (keeps transformers' own optimizer names untouched)
 import torch  # noqa: E402
 
-STEP_METHODS = ("adamw", "bnb_adamw8bit", "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
-ONE_B = dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=22, num_attention_heads=32,
-             num_key_value_heads=4, vocab_size=32000)  # fmt: skip
-TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, vocab_size=512)  # fmt: skip
+from _models import SHAPES, build_llama, llama_config  # noqa: E402
+
+STEP_METHODS = ("adamw", "bnb_adamw8bit", *_common.OURS)
 
 
 def _sync(device: torch.device) -> None:
@@ -130,17 +128,12 @@ def kernel(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------- 1B step
 def step(args: argparse.Namespace) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     device = torch.device(args.device)
-    shape = TINY if args.tiny else ONE_B
+    shape = SHAPES["tiny-h64" if args.tiny else "1.1b"]
     batch, seq = (2, 32) if args.tiny else (args.batch, args.seq)
-    torch.manual_seed(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    config = LlamaConfig(**shape, max_position_embeddings=seq, tie_word_embeddings=False)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = build_llama(shape, seed=0, init_device=device, dtype=torch.bfloat16, max_position_embeddings=seq)
     params = sum(p.numel() for p in model.parameters())
     rank = 16 if args.tiny else 512  # GaLore paper: 512 for 1B
     setup = _common.MethodSetup(
@@ -149,7 +142,7 @@ def step(args: argparse.Namespace) -> None:
         lora_rank=8, lora_matched_rank=8,
     )  # fmt: skip
     model, optimizer, after_step = _common.setup_method(args.method, model, setup, lr=1e-4)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
 
     def one_step() -> None:
         loss = model(input_ids=ids, labels=ids).loss
@@ -183,18 +176,15 @@ def step(args: argparse.Namespace) -> None:
 
 
 # Planner names of the step methods (hf_galore_plugin.plan).
-PLAN_METHODS = {"adamw": "adamw_torch", "bnb_adamw8bit": "adamw_8bit", "galore_adamw": "galore_adamw",
-                "galore_adamw_8bit": "galore_adamw_8bit", "qgalore_adamw_8bit": "qgalore_adamw_8bit"}  # fmt: skip
+PLAN_METHODS = {"adamw": "adamw_torch", "bnb_adamw8bit": "adamw_8bit", **{m: m for m in _common.OURS}}
 
 
 def planned_peaks(shape: dict, rank: int, batch: int, seq: int) -> dict[str, tuple[int, int]]:
     """(normal-step, refresh-step) peak bytes of every step method, from the memory planner (CPU only):
     the same shape, dtype, batch, rank and GaLore targets as `step`."""
-    from transformers import LlamaConfig
-
     import hf_galore_plugin.plan as plan
 
-    config = LlamaConfig(**shape, max_position_embeddings=seq, tie_word_embeddings=False)
+    config = llama_config(shape, max_position_embeddings=seq)
     original = plan.load_config
     plan.load_config = lambda model, config_path: config
     try:

@@ -37,9 +37,10 @@ import torch
 from torch import nn
 
 import hf_galore_plugin as hgp
+from _models import SHAPES, build_llama, preset_names, tensor_bytes, training_state_bytes
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+OURS = preset_names()
 METHODS = ("adamw_torch", "adamw_8bit_bnb", "galore_torch", *OURS)
 PARTS = ("weights", "grads", "optimizer_state", "error_feedback", "bases")
 # Targets (rank 256): Q-GaLore 8-bit at most 30% of AdamW at 350M and at most 11 GB at 7B; our
@@ -47,31 +48,7 @@ PARTS = ("weights", "grads", "optimizer_state", "error_feedback", "bases")
 QGALORE_FRACTION_TARGET = 0.30
 QGALORE_7B_TARGET_BYTES = 11e9
 
-SIZES = {
-    "350m": dict(
-        hidden_size=1024, intermediate_size=2736, num_hidden_layers=24, num_attention_heads=16, vocab_size=32000
-    ),
-    "7b": dict(
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, vocab_size=32000
-    ),
-    # --quick: a small Llama, for CI
-    "quick": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=2, vocab_size=2000),
-}
 BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes AdamW8bit defaults (blockwise, min_8bit_size)
-
-
-def llama(size: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**SIZES[size], max_position_embeddings=2048, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    return model.to(dtype)
-
-
-def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def galore_targets(model: nn.Module, rank: int) -> list[nn.Linear]:
@@ -112,26 +89,12 @@ def build_optimizer(method: str, model: nn.Module, rank: int):
     return model, hgp.create_optimizer(model, lr=lr)
 
 
-def measure(model: nn.Module, optimizer) -> dict[str, int]:
-    """Exact bytes of the live tensors, by part."""
-    state = [(key, value) for s in optimizer.state.values() for key, value in s.items()]
-    projectors = [value.ortho_matrix for key, value in state if key == "projector"]  # galore-torch's basis
-    buffers = dict(model.named_buffers())
-    return {
-        "weights": nbytes(model.parameters()) + nbytes(b for n, b in buffers.items() if "galore_basis_" not in n),
-        "grads": nbytes(p.grad for p in model.parameters() if p.grad is not None),
-        "optimizer_state": nbytes(v for k, v in state if "residual" not in k),
-        "error_feedback": nbytes(v for k, v in state if "residual" in k),
-        "bases": nbytes(b for n, b in buffers.items() if "galore_basis_" in n) + nbytes(projectors),
-    }
-
-
 def measured_run(method: str, size: str, rank: int, steps: int = 3) -> dict[str, Any]:
     """Build the fp32 model on the CPU, train `steps` steps on 1 x 64 tokens, count the bytes."""
-    model = llama(size)
+    model = build_llama(size, seed=0, init_device="cpu", dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
     model, optimizer = build_optimizer(method, model, rank)
-    tokens = torch.randint(0, SIZES[size]["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, SHAPES[size]["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(0))
     started = time.perf_counter()
     for step in range(steps):
         model(input_ids=tokens, labels=tokens).loss.backward()
@@ -140,7 +103,7 @@ def measured_run(method: str, size: str, rank: int, steps: int = 3) -> dict[str,
             hgp.after_step(model, optimizer)
         if step + 1 < steps:
             optimizer.zero_grad(set_to_none=True)
-    parts = measure(model, optimizer)
+    parts = training_state_bytes(model, optimizer, error_feedback_apart=True)
     del model, optimizer
     gc.collect()
     return {"parts": parts, "params": params, "seconds": time.perf_counter() - started}
@@ -154,7 +117,7 @@ def _like_bytes(shape, dtype: torch.dtype) -> int:
 def baseline_state_bytes(method: str, model: nn.Module, rank: int) -> dict[str, int]:
     """The baselines' bytes from their state layouts (see the module docstring); `model` may be on meta."""
     params = list(model.parameters())
-    weights, grads = nbytes(params) + nbytes(model.buffers()), nbytes(params)
+    weights, grads = tensor_bytes(params) + tensor_bytes(model.buffers()), tensor_bytes(params)
     optimizer_state = bases = 0
     if method == "adamw_torch":
         optimizer_state = sum(2 * _like_bytes(p.shape, p.dtype) + 4 for p in params)  # + fp32 step tensor
@@ -187,15 +150,15 @@ def ours_state_bytes(method: str, model: nn.Module, rank: int) -> dict[str, int]
     for group in optimizer.param_groups:
         for p in group["params"]:
             optimizer._init_state(p, group)
-    parts = measure(model, optimizer)
+    parts = training_state_bytes(model, optimizer, error_feedback_apart=True)
     # On meta there is no backward: every trainable parameter gets a gradient of its own shape and dtype.
-    parts["grads"] = nbytes(p for p in model.parameters() if p.requires_grad)
+    parts["grads"] = tensor_bytes(p for p in model.parameters() if p.requires_grad)
     return parts
 
 
 def computed_run(method: str, size: str, rank: int, dtype: torch.dtype) -> dict[str, Any]:
     started = time.perf_counter()
-    model = llama(size, device="meta", dtype=dtype)
+    model = build_llama(size, seed=0, init_device="meta", dtype=dtype)
     params = sum(p.numel() for p in model.parameters())
     if method in OURS:
         parts = ours_state_bytes(method, model, rank)

@@ -18,10 +18,11 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from hf_galore_plugin import PRESETS  # noqa: E402
 from hf_galore_plugin.plan import METHODS, estimate  # noqa: E402
 from hf_galore_plugin.plan.__main__ import format_table  # noqa: E402
 
-GALORE = ("galore_torch", "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+GALORE = ("galore_torch", *PRESETS)
 RUNS = [("llama-3-70b", 256, METHODS), ("llama-2-7b", 256, METHODS), ("llama-3-8b", 256, METHODS),
         ("llama-2-7b", 128, GALORE), ("llama-3-8b", 128, GALORE)]  # fmt: skip
 

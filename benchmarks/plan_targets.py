@@ -21,14 +21,12 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from hf_galore_plugin.config import GaLoreConfig  # noqa: E402
-from hf_galore_plugin.plan import estimate  # noqa: E402
+from hf_galore_plugin.plan import METHODS, estimate  # noqa: E402
 
 GIB, GB = 2**30, 1e9
 MODELS = {"llama-2-7b": 2048, "llama-3-8b": 2048, "llama-3-70b": 4096}
 # The targets for the best option set (GB, peak of a whole run: the larger of the two steps).
 TARGETS_GB = {"llama-2-7b": 9.0, "llama-3-8b": 12.0, "llama-3-70b": 80.0}
-BASELINES = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora")
-OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 STAGGERED = "refresh_schedule=staggered"
 OPTION_SETS = [
     ("defaults", ""),
@@ -80,7 +78,7 @@ def main(argv=None) -> int:
             key = f"{model}|{label}"
             if key in results:
                 continue
-            methods = BASELINES + OURS if label == "defaults" else ("qgalore_adamw_8bit",)
+            methods = METHODS if label == "defaults" else ("qgalore_adamw_8bit",)
             start = time.perf_counter()
             print(f"planning {model}, {label} ...", flush=True)
             plan = estimate(model=model, methods=methods, seq_len=seq_len, batch_size=1, gradient_checkpointing=True,

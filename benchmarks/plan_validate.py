@@ -33,27 +33,27 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
-# name: (hidden, intermediate, layers, vocab, heads); batch 2 for the two small ones, 1 for the large ones.
+from _models import llama_config, preset_names  # noqa: E402
+
+# name: (shape in _models.SHAPES, batch); batch 2 for the two small ones, 1 for the large ones.
 MODELS = {
-    "5M": ((256, 688, 2, 8000, 4), 2),
-    "30M": ((512, 1376, 6, 16000, 8), 2),
-    "100M": ((768, 2048, 8, 32000, 12), 1),
-    "350M": ((1024, 2816, 22, 32000, 16), 1),
+    "5M": ("validate-5m", 2),
+    "30M": ("validate-30m", 2),
+    "100M": ("validate-100m", 1),
+    "350M": ("validate-350m", 1),
 }
-METHODS = ("adamw_torch", "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+METHODS = ("adamw_torch", *preset_names())
 DTYPES = ("fp32", "bf16")
 SEQ_LEN = 256
 RANK = 64
 
 
 def _config(name: str):
-    from transformers import LlamaConfig
-
-    (hidden, inter, layers, vocab, heads), _ = MODELS[name]
-    return LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab)  # fmt: skip
+    return llama_config(MODELS[name][0])
 
 
 def _settings(name: str, dtype: str):

@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 import _common  # noqa: E402  (sets HF_GALORE_PLUGIN_NO_TAKEOVER=1 before anything imports the plugin)
+import _models  # noqa: E402
 import torch  # noqa: E402
 
 METHODS = (
@@ -83,22 +84,34 @@ class Size:
     rank: int  # GaLore rank: hidden / 4, the paper's ratio (128 at hidden 512)
     gap: int
 
+    @classmethod
+    def of(cls, shape: str, **training: int) -> "Size":
+        """The Llama shape `shape` of _models.SHAPES (its vocab_size is the tokenizer's target) with the
+        training settings."""
+        s = _models.SHAPES[shape]
+        if s.get("num_key_value_heads", s["num_attention_heads"]) != s["num_attention_heads"]:
+            raise ValueError(f"shape {shape!r} groups its queries; quality.py's sizes have one KV head per head")
+        return cls(hidden=s["hidden_size"], layers=s["num_hidden_layers"], heads=s["num_attention_heads"],
+                   intermediate=s["intermediate_size"], vocab_size=s["vocab_size"], **training)  # fmt: skip
+
+    def llama_shape(self, vocab_size: int) -> dict[str, int]:
+        """The LlamaConfig fields of this size with the tokenizer's `vocab_size` (no grouped queries)."""
+        return dict(vocab_size=vocab_size, hidden_size=self.hidden, intermediate_size=self.intermediate,
+                    num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                    num_key_value_heads=self.heads)  # fmt: skip
+
 
 SIZES = {
     # ~1.1M parameters (0.8M in the targeted linear layers), 200 steps of 8 x 128 tokens (0.2M tokens):
     # about 0.3 s a step with one thread on the shared 2-core machine, so the 50 runs take ~40 minutes.
-    "tiny": Size(hidden=128, layers=4, heads=4, intermediate=352, vocab_size=1024, seq_len=128,
-                 batch_size=8, steps=200, rank=32, gap=50),
+    "tiny": Size.of("tiny-h128", seq_len=128, batch_size=8, steps=200, rank=32, gap=50),
     # --quick: the smoke test.
-    "quick": Size(hidden=64, layers=2, heads=4, intermediate=176, vocab_size=512, seq_len=64,
-                  batch_size=8, steps=30, rank=16, gap=10),
+    "quick": Size.of("tiny-h64", seq_len=64, batch_size=8, steps=30, rank=16, gap=10),
     # The issue's sizes, for a GPU: ~17M and ~46M parameters, sequence 256, 2000 steps of 32 sequences
     # (16M tokens: about 25 passes over the 2 MB of training text).
-    "20m": Size(hidden=384, layers=8, heads=6, intermediate=1024, vocab_size=4096, seq_len=256,
-                batch_size=32, steps=2000, rank=96, gap=200),
-    "50m": Size(hidden=512, layers=12, heads=8, intermediate=1376, vocab_size=8192, seq_len=256,
-                batch_size=32, steps=2000, rank=128, gap=200),
-}  # fmt: skip
+    "20m": Size.of("20m", seq_len=256, batch_size=32, steps=2000, rank=96, gap=200),
+    "50m": Size.of("50m", seq_len=256, batch_size=32, steps=2000, rank=128, gap=200),
+}
 
 
 # ---------------------------------------------------------------------- data and model
@@ -127,15 +140,9 @@ def load_data(path: str) -> dict[str, Any]:
 
 
 def build_model(size: Size, vocab_size: int, seed: int, device: torch.device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)  # the same initial weights for every method of a seed
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=size.hidden, intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers, num_attention_heads=size.heads, num_key_value_heads=size.heads,
-        max_position_embeddings=size.seq_len, tie_word_embeddings=False,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).to(device)
+    # seed: the same initial weights for every method of a seed
+    return _models.build_llama(size.llama_shape(vocab_size), seed=seed, device=device,
+                               max_position_embeddings=size.seq_len)  # fmt: skip
 
 
 def batch_order(n_blocks: int, size: Size, seed: int) -> torch.Tensor:
@@ -197,7 +204,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         after_step()
         refresh_seconds += time.perf_counter() - tick
         if step == size.steps - 1:
-            state_bytes = _common.training_state_bytes(model, optimizer)
+            state_bytes = _models.training_state_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         losses.append(loss.item())

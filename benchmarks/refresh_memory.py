@@ -27,12 +27,8 @@ import _common  # noqa: E402  (sets HF_GALORE_PLUGIN_NO_TAKEOVER=1 before the pl
 from hf_galore_plugin import GaLoreConfig, GaLoreLinear, after_step, create_optimizer, galore_layers, prepare_model  # noqa: E402
 from hf_galore_plugin.layers import assign_refresh_phases  # noqa: E402
 
-# (hidden, intermediate, kv dim, decoder layers): q, k, v, o, gate, up, down of every decoder layer
-MODELS = {
-    "Llama-2-7B": (4096, 11008, 4096, 32),
-    "Llama-3-8B": (4096, 14336, 1024, 32),
-    "Llama-3-70B": (8192, 28672, 1024, 80),
-}
+# Report name: the planner's model name (hf_galore_plugin/plan/models.json holds the published shapes).
+MODELS = {"Llama-2-7B": "llama-2-7b", "Llama-3-8B": "llama-3-8b", "Llama-3-70B": "llama-3-70b"}
 VARIANTS = {
     "aligned, svd (today)": {},
     "staggered, svd": {"refresh_schedule": "staggered"},
@@ -53,7 +49,13 @@ def planned_peak(shapes: list[tuple[int, int]], config: GaLoreConfig) -> dict[st
     return {"peak": max(loads.values()), "total": sum(loads.values()), "phases": len(loads)}
 
 
-def llama_shapes(hidden: int, intermediate: int, kv: int, layers: int) -> list[tuple[int, int]]:
+def llama_shapes(model: str) -> list[tuple[int, int]]:
+    """(out, in) of q, k, v, o, gate, up, down of every decoder layer of the planner's `model`."""
+    from hf_galore_plugin.plan import load_config
+
+    config = load_config(model)
+    hidden, intermediate, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = hidden // config.num_attention_heads * config.num_key_value_heads
     per_layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
                  (intermediate, hidden), (intermediate, hidden), (hidden, intermediate)]  # fmt: skip
     return per_layer * layers
@@ -100,8 +102,8 @@ def main(argv=None) -> int:
     print(f"Planned refresh-record peak per step (rank {args.rank}, gap 200, every q/k/v/o/gate/up/down targeted):\n")
     print("| model | schedule, basis | peak per step | all layers at once | phases (calibration steps) |")
     print("|---|---|---|---|---|")
-    for name, dims in MODELS.items():
-        shapes = llama_shapes(*dims)
+    for name, model in MODELS.items():
+        shapes = llama_shapes(model)
         for variant, overrides in VARIANTS.items():
             plan = planned_peak(shapes, GaLoreConfig(rank=args.rank, update_proj_gap=200, **overrides))
             print(

@@ -31,24 +31,11 @@ from typing import Any, Callable, Optional
 import torch
 
 import hf_galore_plugin as hgp
+from _models import SHAPES, build_llama, preset_names
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
-SIZES = {
-    "60m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=32000),
-    "h1024": dict(
-        hidden_size=1024, intermediate_size=2752, num_hidden_layers=4, num_attention_heads=16, vocab_size=30000
-    ),
-    "quick": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=2, vocab_size=2000),
-}
-
-
-def build(size: str, device: torch.device, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**SIZES[size], max_position_embeddings=2048, tie_word_embeddings=False)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+OURS = preset_names()
+SIZES = ("60m", "h1024", "quick")  # shapes of _models.SHAPES this benchmark runs
 
 
 def refreshes(model: torch.nn.Module) -> int:
@@ -62,7 +49,7 @@ class Runner:
         self.method = method
         self.name = method if rank is None or method not in OURS else f"{method} (rank {rank})"
         rank = rank or args.rank
-        self.model = build(size, args.device, args.dtype)
+        self.model = build_llama(size, seed=0, device=args.device, dtype=args.dtype)
         if method == "adamw_torch":
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         elif method == "adamw_fused":
@@ -109,7 +96,7 @@ def run(args: argparse.Namespace, partial: Optional[Callable[[dict[str, Any]], N
     size = args.size
     generator = torch.Generator().manual_seed(0)
     batches = [
-        torch.randint(0, SIZES[size]["vocab_size"], (args.batch, args.seq_len), generator=generator).to(args.device)
+        torch.randint(0, SHAPES[size]["vocab_size"], (args.batch, args.seq_len), generator=generator).to(args.device)
         for _ in range(4)
     ]
     # One rank: rows keep the plain method names; several: "method (rank r)".
@@ -157,7 +144,7 @@ def run(args: argparse.Namespace, partial: Optional[Callable[[dict[str, Any]], N
 def result(args: argparse.Namespace, rows: dict[str, Any], profiles: dict[str, str]) -> dict[str, Any]:
     return {
         "size": args.size,
-        "config": SIZES[args.size],
+        "config": SHAPES[args.size],
         "batch": args.batch,
         "seq_len": args.seq_len,
         "rank": args.rank,
@@ -243,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--measure-gap", type=int, default=4, help="refresh gap while measuring, so refreshes fall in the window"
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--size", choices=tuple(SIZES), help="model (default 60m; --quick: quick)")
+    parser.add_argument("--size", choices=SIZES, help="model (default 60m; --quick: quick)")
     parser.add_argument("--ranks", type=int, nargs="+", help="GaLore ranks, each with all three presets")
     parser.add_argument("--baseline", choices=("adamw_torch", "adamw_fused"), default="adamw_torch",
                         help="reference optimizer: torch AdamW's default (foreach) or fused=True")  # fmt: skip
@@ -263,7 +250,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 setattr(args, option[2:].replace("-", "_"), value)
     size = args.size = args.size or ("quick" if args.quick else "60m")
     args.seq_len = args.seq_len or (64 if args.quick else 128)
-    args.rank = args.rank or SIZES[size]["hidden_size"] // 4
+    args.rank = args.rank or SHAPES[size]["hidden_size"] // 4
     args.ranks = args.ranks or [args.rank]
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,0 +1,114 @@
+"""benchmarks/_models.py, the benchmarks' one model library: its shapes against published parameter counts
+and the planner's model table, its builder against transformers' own construction, its byte accountant
+against the package's own accounting, and the rule that no benchmark builds a Llama of its own.
+
+Runs in the default suite (no subprocess, no training beyond two steps of a three-layer model).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import _models  # noqa: E402  (imports neither the plugin nor transformers, and sets no environment variable)
+
+# Llama-2-7B's parameter count as Meta publishes it (the model card's "7B" is 6,738,415,616 weights).
+LLAMA_2_7B_PARAMS = 6_738_415_616
+
+
+def test_7b_shape_has_llama_2_7b_parameter_count():
+    model = _models.build_llama("7b", seed=0, init_device="meta")
+    assert sum(p.numel() for p in model.parameters()) == LLAMA_2_7B_PARAMS
+
+
+def test_7b_shape_matches_the_planner_table():
+    # The planner's models.json copies each model's published config.json; the benchmarks' "7b" must agree.
+    published = json.loads((REPO / "hf_galore_plugin" / "plan" / "models.json").read_text())["llama-2-7b"]
+    ours = _models.llama_config("7b")
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(ours, field) == published[field], field
+
+
+def test_builder_draws_the_weights_transformers_draws_at_that_seed():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    expected = LlamaForCausalLM(LlamaConfig(**_models.SHAPES["tiny-h64"], max_position_embeddings=64))
+    model = _models.build_llama("tiny-h64", seed=7, max_position_embeddings=64)
+    assert model.config.max_position_embeddings == 64 and model.config.tie_word_embeddings is False
+    got, want = model.state_dict(), expected.state_dict()
+    assert list(got) == list(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_unknown_shape_or_field_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"unknown Llama shape '7B'.*'7b'"):
+        _models.llama_config("7B")
+    with pytest.raises(ValueError, match=r"\['hiden_size'\] are not LlamaConfig fields"):
+        _models.llama_config({"hiden_size": 64})
+
+
+def test_training_state_bytes_agrees_with_the_package_accounting():
+    import hf_galore_plugin as hgp
+
+    torch.manual_seed(0)
+    # Factors of 4096 and 4352 values: the smallest that get 8-bit state (min_8bit_numel 4096), one of
+    # them not a whole number of 256-value blocks.
+    model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 136), nn.ReLU(), nn.Linear(136, 8))
+    config = hgp.GaLoreConfig.preset(
+        "qgalore_adamw_8bit", rank=32, update_proj_gap=10, error_feedback=True, target_modules=["0", "2"]
+    )
+    model = hgp.prepare_model(model, config)
+    optimizer = hgp.create_optimizer(model, lr=1e-3)
+    x = torch.randn(4, 128)
+    for _ in range(2):  # step 0 computes the first bases; step 1 creates the factors' 8-bit state
+        model(x).square().mean().backward()
+        optimizer.step()
+        hgp.after_step(model, optimizer)
+    apart = _models.training_state_bytes(model, optimizer, error_feedback_apart=True)
+    together = _models.training_state_bytes(model, optimizer)
+    assert list(apart) == ["weights", "grads", "optimizer_state", "error_feedback", "bases"]
+    assert list(together) == ["weights", "grads", "optimizer_state", "bases"]
+    # The optimizer's own count of its state (step counters included), split or not.
+    assert apart["optimizer_state"] + apart["error_feedback"] == together["optimizer_state"] == optimizer.state_nbytes()
+    # Error feedback: per 8-bit moment, int8 residual codes (one byte a value) and an fp32 scale per
+    # 256-value block (optim/adamw.py's state layout); 8-bit state holds the two GaLore factors here.
+    factors = [p.numel() for p, state in optimizer.state.items() if "exp_avg_codes" in state]
+    assert len(factors) == 2
+    assert apart["error_feedback"] == sum(2 * (n + 4 * math.ceil(n / 256)) for n in factors)
+    # The layers' own count of their (INT4) bases.
+    assert apart["bases"] == sum(layer.state_nbytes()["basis"] for _, layer in hgp.galore_layers(model))
+    assert apart["grads"] == sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _builds_a_llama(path: pathlib.Path) -> list[str]:
+    """Calls of LlamaConfig / LlamaForCausalLM (plain or as an attribute) in the file, as 'name:line'."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name in ("LlamaConfig", "LlamaForCausalLM"):
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_benchmark_builds_its_own_llama():
+    scripts = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "_models.py")
+    assert len(scripts) >= 10  # the glob found the benchmarks
+    own = {p.name: calls for p in scripts if (calls := _builds_a_llama(p))}
+    assert not own, f"build Llama models with _models.llama_config / build_llama, not directly: {own}"
+    assert _builds_a_llama(BENCHMARKS / "_models.py")  # the checker sees the one builder that does
