@@ -210,7 +210,9 @@ def test_a_refresh_adopts_and_reports_an_unsynced_buffer_write():
     with torch.no_grad():
         layer.galore_rng_counter.fill_(40)
     before = layer.counter("galore_rng_counter")
-    with pytest.warns(RuntimeWarning, match=rf"written without sync_counters\(\) \(galore_rng_counter {before} -> 40\)"):
+    with pytest.warns(
+        RuntimeWarning, match=rf"written without sync_counters\(\) \(galore_rng_counter {before} -> 40\)"
+    ):
         _train(model, optimizer, 1, seed=0)
     assert layer.counter("galore_rng_counter") == int(layer.galore_rng_counter) == 40  # exact SVD draws nothing
 
@@ -220,3 +222,10 @@ def test_counter_names_an_unknown_counter():
     assert layer.counter("galore_gap") == int(layer.galore_gap)
     with pytest.raises(ValueError, match=r"'galore_steps' is not a GaLore counter; the counters are galore_step"):
         layer.counter("galore_steps")
+
+
+def test_a_counter_of_another_shape_is_refused_at_load():
+    layer = hgp.prepare_model(nn.Sequential(nn.Linear(8, 8)), GaLoreConfig(rank=2))[0]
+    state = {**layer.state_dict(), "galore_step": torch.zeros(2, dtype=torch.int64)}
+    with pytest.raises(ValueError, match=r"counter buffer 'galore_step' is of shape \(2,\), a counter holds one value"):
+        layer.load_state_dict(state)

@@ -259,10 +259,10 @@ class GaLoreLinear(nn.Module):
         for name in COUNTER_NAMES:
             value = self._buffers.get(name)
             if value is None or value.numel() != 1:
-                shape = None if value is None else tuple(value.shape)
+                held = "missing" if value is None else f"of shape {tuple(value.shape)}"
                 raise ValueError(
-                    f"GaLore counter buffer {name!r} must hold one value, it is {shape}: the state loaded into "
-                    "this GaLoreLinear is not one a GaLoreLinear saved; load the layer's own state_dict()"
+                    f"GaLore counter buffer {name!r} is {held}, a counter holds one value: the state loaded into "
+                    "this GaLoreLinear is not one a GaLoreLinear saved; load a GaLoreLinear's own state_dict()"
                 )
             buffers.append(value)
         return buffers
@@ -276,8 +276,10 @@ class GaLoreLinear(nn.Module):
         # Meta and fake tensors (the memory planner's trace) hold no values to read.
         if not any(value.is_meta or is_fake(value) for value in buffers):
             device = buffers[0].device
-            stacked = torch.stack([value.detach().reshape(()).to(device=device, dtype=torch.int64) for value in buffers])
-            self._counts = dict(zip(COUNTER_NAMES, (int(v) for v in stacked.tolist())))
+            stacked = torch.stack(
+                [value.detach().reshape(()).to(device=device, dtype=torch.int64) for value in buffers]
+            )
+            self._counts = dict(zip(COUNTER_NAMES, stacked.tolist()))
         self._update_refresh_due()
 
     def _adopt_counter_writes(self) -> None:
@@ -285,7 +287,11 @@ class GaLoreLinear(nn.Module):
         without :meth:`sync_counters`, and say so (decisions since that write used the old values)."""
         before = dict(self._counts)
         self.sync_counters()
-        changed = [f"{name} {before[name]} -> {self._counts[name]}" for name in COUNTER_NAMES if before[name] != self._counts[name]]
+        changed = [
+            f"{name} {before[name]} -> {self._counts[name]}"
+            for name in COUNTER_NAMES
+            if before[name] != self._counts[name]
+        ]
         if changed:
             warnings.warn(
                 f"GaLore layer {self.out_features}x{self.in_features}: counter buffers were written without "
