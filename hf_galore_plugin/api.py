@@ -418,10 +418,10 @@ def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         return {}
     similarities = [float(l.galore_last_similarity) for _, l in layers]
     similarities = [s for s in similarities if not math.isnan(s)]
-    gaps = [int(l.galore_gap) for _, l in layers]
+    gaps = [l.counter("galore_gap") for _, l in layers]
     stats: dict[str, float] = {
         "galore/layers": float(len(layers)),
-        "galore/refreshes": float(sum(int(l.galore_num_refreshes) for _, l in layers)),
+        "galore/refreshes": float(sum(l.counter("galore_num_refreshes") for _, l in layers)),
         "galore/gap_mean": sum(gaps) / len(gaps),
         "galore/gap_max": float(max(gaps)),
     }
@@ -519,8 +519,8 @@ def apply_mutable_changes(model: nn.Module, changed: dict[str, tuple[Any, Any]],
         for _, layer in iter_galore_layers(model):
             config = layer.config
             # a lazily grown gap restarts from the new base gap (its growth was measured with the old one)
-            layer.galore_gap.fill_(config.update_proj_gap)
-            layer.galore_agree_count.zero_()
+            layer._set_counter("galore_gap", config.update_proj_gap)
+            layer._set_counter("galore_agree_count", 0)
             layer._update_refresh_due()
     logging.getLogger(__name__).warning(
         "%s: GaLore settings changed since the checkpoint and take effect from now on: %s",

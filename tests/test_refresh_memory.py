@@ -119,7 +119,7 @@ def test_staggered_with_all_phases_zero_is_bit_identical_to_aligned(lazy):
         if schedule == "staggered_zero":
             for _, layer in galore_layers(model):
                 layer.galore_phase.fill_(0)
-                layer._update_refresh_due()
+                layer.sync_counters()
         optimizer = create_optimizer(model, lr=1e-2, weight_decay=0.01)
         _run(model, optimizer, _data(40))
         results.append(model.state_dict())

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
 from ..engines.collectives import full_tensor as _full_tensor
@@ -47,6 +48,25 @@ except ImportError:  # torch built without distributed support
 
 __all__ = ["GaLoreLinear"]
 
+# The schedule counters: int64 scalar buffers (so they travel with every state dict and engine
+# checkpoint) with a host copy each in ``GaLoreLinear._counts``, which every read in the step path uses.
+# Reading the buffer itself (``int(layer.galore_step)``) is a device-to-host sync on a GPU; the host copy
+# keeps the step driver free of them (about four per layer per step otherwise).
+# DDP with broadcast_buffers copies rank 0's buffers into every rank at each forward, behind the layer's
+# back; the copy changes no counter: every rank starts from the same values (same seed, same state
+# dict) and runs the same schedule (refreshes are collectives that all ranks take at the same steps),
+# so the counters agree across ranks by construction and the host copies stay valid.
+COUNTER_NAMES = (
+    "galore_step",
+    "galore_last_refresh",
+    "galore_num_refreshes",
+    "galore_gap",
+    "galore_agree_count",
+    "galore_seed",
+    "galore_rng_counter",
+    "galore_phase",
+)
+
 
 class GaLoreLinear(nn.Module):
     """Drop-in replacement of an ``nn.Linear`` whose weight is trained by GaLore / Q-GaLore.
@@ -56,6 +76,14 @@ class GaLoreLinear(nn.Module):
     a quantized W0 lives in buffers ``weight_q_*``, a basis in ``galore_basis_<side>`` (plain) or
     ``galore_basis_<side>_*`` (quantized), each owned by a :class:`~.storage.StoredTensor`. Counters and
     bases are buffers, so a ``state_dict()`` holds tensors only and restores the layer exactly.
+
+    The counters (:data:`COUNTER_NAMES`) are read from host copies (:meth:`counter`), never from the
+    buffers, so a training step makes no device sync for them. The layer writes both at once and
+    re-reads the buffers whenever a load replaces them (``load_state_dict``, including the engines' and
+    the Trainer integration's loads). Code that writes a counter buffer directly (``fill_``, ``copy_``,
+    an in-place ``torch.distributed.checkpoint`` load without ``load_state_dict``) must call
+    :meth:`sync_counters` afterwards; a refresh compares the buffers with the host copies (it syncs the
+    device anyway) and warns when they differ.
     """
 
     def __init__(self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0) -> None:
@@ -122,20 +150,34 @@ class GaLoreLinear(nn.Module):
         def buf(value, dtype):
             return torch.tensor(value, dtype=dtype, device=device)
 
+        seed = config.seed * 1_000_003 + layer_index
+        # The host copies of the counter buffers (see COUNTER_NAMES), set with them.
+        self._counts: dict[str, int] = {
+            "galore_step": 0,
+            "galore_last_refresh": -1,
+            "galore_num_refreshes": 0,
+            "galore_gap": config.update_proj_gap,
+            "galore_agree_count": 0,
+            "galore_seed": seed,
+            "galore_rng_counter": 0,
+            "galore_phase": 0,
+        }
+
         self.register_buffer("base_multiplier", buf(1.0, torch.float32))
-        self.register_buffer("galore_step", buf(0, torch.int64))
-        self.register_buffer("galore_last_refresh", buf(-1, torch.int64))
-        self.register_buffer("galore_num_refreshes", buf(0, torch.int64))
-        self.register_buffer("galore_gap", buf(config.update_proj_gap, torch.int64))
-        self.register_buffer("galore_agree_count", buf(0, torch.int64))
+        # Registered in this order (the state-dict layout of checkpoints).
+        self.register_buffer("galore_step", buf(self._counts["galore_step"], torch.int64))
+        self.register_buffer("galore_last_refresh", buf(self._counts["galore_last_refresh"], torch.int64))
+        self.register_buffer("galore_num_refreshes", buf(self._counts["galore_num_refreshes"], torch.int64))
+        self.register_buffer("galore_gap", buf(self._counts["galore_gap"], torch.int64))
+        self.register_buffer("galore_agree_count", buf(self._counts["galore_agree_count"], torch.int64))
         self.register_buffer("galore_last_similarity", buf(float("nan"), torch.float32))
         # Randomness (stochastic rounding, randomized SVD) comes from (seed, layer, counter): the same on
         # every data-parallel rank, device independent, and exactly restored from a checkpoint.
-        self.register_buffer("galore_seed", buf(config.seed * 1_000_003 + layer_index, torch.int64))
-        self.register_buffer("galore_rng_counter", buf(0, torch.int64))
+        self.register_buffer("galore_seed", buf(seed, torch.int64))
+        self.register_buffer("galore_rng_counter", buf(self._counts["galore_rng_counter"], torch.int64))
         # The step (modulo update_proj_gap) of this layer's calibration and refreshes under
         # refresh_schedule='staggered' (set for all layers at once by assign_refresh_phases); 0 = aligned.
-        self.register_buffer("galore_phase", buf(0, torch.int64))
+        self.register_buffer("galore_phase", buf(self._counts["galore_phase"], torch.int64))
         self._phase = 0  # the phase as a Python int, to restore the buffer after to_empty() (meta device)
         # What this step's backward recorded for the next basis: the dense fp32 gradient (m x n), or with
         # basis_method='sketch' a dict side -> sketch (the basis side's dimension x k). It lives from the
@@ -165,15 +207,15 @@ class GaLoreLinear(nn.Module):
             if rank is not None and not identity:
                 self._set_basis(side, torch.zeros(dim, rank, device=self.galore_factor.device, dtype=torch.float32))
         self.base_multiplier.fill_(1.0)
-        self.galore_step.fill_(0)
-        self.galore_last_refresh.fill_(-1)
-        self.galore_num_refreshes.fill_(0)
-        self.galore_gap.fill_(self.config.update_proj_gap)
-        self.galore_agree_count.fill_(0)
+        self._set_counter("galore_step", 0)
+        self._set_counter("galore_last_refresh", -1)
+        self._set_counter("galore_num_refreshes", 0)
+        self._set_counter("galore_gap", self.config.update_proj_gap)
+        self._set_counter("galore_agree_count", 0)
         self.galore_last_similarity.fill_(float("nan"))
-        self.galore_seed.fill_(self.config.seed * 1_000_003 + self._layer_index)
-        self.galore_rng_counter.fill_(0)
-        self.galore_phase.fill_(self._phase)
+        self._set_counter("galore_seed", self.config.seed * 1_000_003 + self._layer_index)
+        self._set_counter("galore_rng_counter", 0)
+        self._set_counter("galore_phase", self._phase)
         self._pending_grad = None
         self._refresh_due_cache = self.needs_basis and self._phase == 0
         self._built_on_meta = False
@@ -193,11 +235,77 @@ class GaLoreLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
         self.reset_galore_state()
 
+    # ------------------------------------------------------------------ counters
+    def counter(self, name: str) -> int:
+        """The value of the counter buffer `name` (one of :data:`COUNTER_NAMES`) from its host copy: no
+        device sync."""
+        try:
+            return self._counts[name]
+        except KeyError:
+            raise ValueError(f"{name!r} is not a GaLore counter; the counters are {', '.join(COUNTER_NAMES)}") from None
+
+    def _set_counter(self, name: str, value: int) -> None:
+        # The buffer write stays asynchronous: fill_ with a Python scalar reads nothing back.
+        value = int(value)
+        getattr(self, name).fill_(value)
+        self._counts[name] = value
+
+    def _add_counter(self, name: str, delta: int = 1) -> None:
+        getattr(self, name).add_(delta)
+        self._counts[name] += delta
+
+    def _counter_buffers(self) -> list[torch.Tensor]:
+        buffers = []
+        for name in COUNTER_NAMES:
+            value = self._buffers.get(name)
+            if value is None or value.numel() != 1:
+                held = "missing" if value is None else f"of shape {tuple(value.shape)}"
+                raise ValueError(
+                    f"GaLore counter buffer {name!r} is {held}, a counter holds one value: the state loaded into "
+                    "this GaLoreLinear is not one a GaLoreLinear saved; load a GaLoreLinear's own state_dict()"
+                )
+            buffers.append(value)
+        return buffers
+
+    @torch.no_grad()
+    def sync_counters(self) -> None:
+        """Re-read the host copies of the counters from the buffers (one device sync) and re-evaluate
+        ``refresh_due``. ``load_state_dict`` does it; call it after writing a counter buffer directly.
+        Buffers on the meta device or fake tensors hold no values: the host copies are kept then."""
+        buffers = self._counter_buffers()
+        # Meta and fake tensors (the memory planner's trace) hold no values to read.
+        if not any(value.is_meta or is_fake(value) for value in buffers):
+            device = buffers[0].device
+            stacked = torch.stack(
+                [value.detach().reshape(()).to(device=device, dtype=torch.int64) for value in buffers]
+            )
+            self._counts = dict(zip(COUNTER_NAMES, stacked.tolist()))
+        self._update_refresh_due()
+
+    def _adopt_counter_writes(self) -> None:
+        """Called where the device syncs anyway (a refresh): take counter values written to the buffers
+        without :meth:`sync_counters`, and say so (decisions since that write used the old values)."""
+        before = dict(self._counts)
+        self.sync_counters()
+        changed = [
+            f"{name} {before[name]} -> {self._counts[name]}"
+            for name in COUNTER_NAMES
+            if before[name] != self._counts[name]
+        ]
+        if changed:
+            warnings.warn(
+                f"GaLore layer {self.out_features}x{self.in_features}: counter buffers were written without "
+                f"sync_counters() ({'; '.join(changed)}); the buffers' values are taken from this refresh on. "
+                "Call layer.sync_counters() after writing galore_* counter buffers directly",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
     # ------------------------------------------------------------------ storage
     def _next_generator(self, device: torch.device) -> torch.Generator:
         generator = torch.Generator(device=device)
-        generator.manual_seed(int(self.galore_seed) * 1_000_033 + int(self.galore_rng_counter))
-        self.galore_rng_counter += 1
+        generator.manual_seed(self._counts["galore_seed"] * 1_000_033 + self._counts["galore_rng_counter"])
+        self._add_counter("galore_rng_counter")
         return generator
 
     def _store_weight(self, value: torch.Tensor) -> None:
@@ -323,14 +431,14 @@ class GaLoreLinear(nn.Module):
 
     @property
     def calibrated(self) -> bool:
-        return not self.needs_basis or int(self.galore_num_refreshes) > 0
+        return not self.needs_basis or self._counts["galore_num_refreshes"] > 0
 
     @property
     def refresh_due(self) -> bool:
         """True while the current step's backward must record the layer gradient for a new basis.
 
-        Cached as a Python bool (reading the counter buffers costs a device sync per layer on GPU);
-        the cache is dropped whenever the counters change (step, refresh, load_state_dict).
+        Cached as a Python bool, computed from the counters' host copies; re-evaluated whenever the
+        counters change (step, refresh, load_state_dict, sync_counters).
         """
         if self._refresh_due_cache is None:
             self._update_refresh_due()
@@ -378,7 +486,7 @@ class GaLoreLinear(nn.Module):
                 )
             else:
                 similarity = self.refresh(optimizer)
-        self.galore_step += 1
+        self._add_counter("galore_step")
         self._update_refresh_due()
         return similarity
 
@@ -421,7 +529,10 @@ class GaLoreLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
         if prefix + "galore_step" in state_dict:
             self._built_on_meta = False  # its own state came with the load
-        self._update_refresh_due()
+        # The load copied into (or, with assign=True, replaced) the counter buffers: refresh the host
+        # copies. Every load path ends here: load_state_dict, load_galore_state_dict, the engines' and
+        # the Trainer integration's resumes, torch.distributed.checkpoint's set_model_state_dict.
+        self.sync_counters()
         self._pending_grad = None
 
 

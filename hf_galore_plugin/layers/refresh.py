@@ -68,7 +68,7 @@ def sketch_test_matrix(layer: Any, side: str, device: Optional[torch.device] = N
     device = torch.device(device) if device is not None else layer.galore_step.device
     generator = torch.Generator(device=device)
     side_index = 0 if side == "left" else 1
-    stream = (int(layer.galore_seed) * 1_000_039 + int(layer.galore_step)) * 2 + side_index
+    stream = (layer.counter("galore_seed") * 1_000_039 + layer.counter("galore_step")) * 2 + side_index
     generator.manual_seed(stream ^ _SKETCH_STREAM)
     return torch.randn(dim, layer._sketch_width(rank), generator=generator, device=device, dtype=torch.float32)
 
@@ -126,6 +126,9 @@ def refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer] = None) -> Op
     provides ``gathered_parameters(layer)``: a context in which the layer's partitioned
     parameters are whole (DeepSpeed ZeRO-3) and after which changes are partitioned again.
     """
+    # A refresh syncs the device anyway (basis computation, similarity): the one place where comparing
+    # the counter buffers with their host copies costs nothing extra.
+    layer._adopt_counter_writes()
     try:
         with gathered_parameters(optimizer, layer):
             return _refresh(layer, optimizer)
@@ -188,7 +191,7 @@ def _refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer]) -> Optional
 def _basis_failed(layer: Any, exc: BasisError) -> None:
     # Never stop training for a bad basis: keep the old one, try again after one more gap.
     warnings.warn(f"GaLore basis refresh failed ({exc}); keeping the previous basis", stacklevel=4)
-    layer.galore_last_refresh.fill_(int(layer.galore_step))
+    layer._set_counter("galore_last_refresh", layer.counter("galore_step"))
 
 
 def _install_bases(layer: Any, new_bases: dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> float:
@@ -210,8 +213,8 @@ def _install_bases(layer: Any, new_bases: dict[str, torch.Tensor], optimizer: Op
             _reset_state(optimizer, layer.galore_factor)
         elif layer.config.moment_handling == "project":
             _transport_moments(layer, optimizer, old_bases, stored)
-    layer.galore_last_refresh.fill_(int(layer.galore_step))
-    layer.galore_num_refreshes += 1
+    layer._set_counter("galore_last_refresh", layer.counter("galore_step"))
+    layer._add_counter("galore_num_refreshes")
     return similarity
 
 
@@ -240,13 +243,13 @@ def _update_lazy_gap(layer: Any, similarity: float) -> None:
     if not config.lazy_refresh:
         return
     if similarity >= config.cos_threshold:
-        layer.galore_agree_count += 1
+        layer._add_counter("galore_agree_count")
     else:
-        layer.galore_agree_count.zero_()
-    if int(layer.galore_agree_count) >= config.lazy_window:
-        grown = min(int(layer.galore_gap) * config.lazy_growth, config.effective_max_proj_gap)
-        layer.galore_gap.fill_(grown)
-        layer.galore_agree_count.zero_()
+        layer._set_counter("galore_agree_count", 0)
+    if layer.counter("galore_agree_count") >= config.lazy_window:
+        grown = min(layer.counter("galore_gap") * config.lazy_growth, config.effective_max_proj_gap)
+        layer._set_counter("galore_gap", grown)
+        layer._set_counter("galore_agree_count", 0)
 
 
 def _transport_moments(layer: Any, optimizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:

@@ -6,7 +6,8 @@ at steps == phase (mod update_proj_gap); :func:`assign_refresh_phases` packs the
 into phases so that one step holds at most the budget (README "Options", Refresh memory).
 
 The functions take the layer (a :class:`~hf_galore_plugin.layers.GaLoreLinear`) and read its counters
-and its ``refresh_record_nbytes()``; none runs inside a training step's forward or backward.
+(their host copies, ``layer.counter(name)``: no device sync) and its ``refresh_record_nbytes()``; none runs
+inside a training step's forward or backward.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def compute_refresh_due(layer: Any) -> bool:
         return _staggered_refresh_due(layer)
     if not layer.calibrated:
         return True
-    return int(layer.galore_step) - int(layer.galore_last_refresh) >= int(layer.galore_gap)
+    return layer.counter("galore_step") - layer.counter("galore_last_refresh") >= layer.counter("galore_gap")
 
 
 def _staggered_refresh_due(layer: Any) -> bool:
@@ -35,12 +36,12 @@ def _staggered_refresh_due(layer: Any) -> bool:
     # layers so that one phase's records fit the budget: holding to the phase keeps every step within it
     # (a lazily grown gap, or one clipped to a max_proj_gap that is no multiple of the gap, waits for the
     # next step of its phase). With every phase 0 this is the aligned schedule.
-    step, phase = int(layer.galore_step), int(layer.galore_phase)
+    step, phase = layer.counter("galore_step"), layer.counter("galore_phase")
     if not layer.calibrated:
         return step >= phase
     if (step - phase) % layer.config.update_proj_gap != 0:
         return False
-    return step - int(layer.galore_last_refresh) >= int(layer.galore_gap)
+    return step - layer.counter("galore_last_refresh") >= layer.counter("galore_gap")
 
 
 def refresh_phase_capacity(config, layers: list[Any], costs: list[int]) -> int:
@@ -111,7 +112,7 @@ def assign_refresh_phases(layers: list[Any]) -> list[int]:
     config = layers[0].config
     if config.refresh_schedule != "staggered":
         for layer in layers:
-            layer.galore_phase.fill_(0)
+            layer._set_counter("galore_phase", 0)
             layer._phase = 0
         return [0] * len(layers)
     costs = [layer.refresh_record_nbytes() for layer in layers]
@@ -129,7 +130,7 @@ def assign_refresh_phases(layers: list[Any]) -> list[int]:
             stacklevel=2,
         )
     for layer, phase in zip(layers, phase_of):
-        layer.galore_phase.fill_(phase)
+        layer._set_counter("galore_phase", phase)
         layer._phase = phase
         # A new layer is at step 0, uncalibrated: due now iff its phase is 0 (set without reading a
         # buffer, which on the meta device would fail).

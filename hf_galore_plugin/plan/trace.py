@@ -313,7 +313,7 @@ def _staggered_trace_phases(model: nn.Module, user_config, full_layers: int | No
 
     layers = _galore_layers(model)
     for _, layer in layers:
-        layer.galore_phase.fill_(0)
+        layer._set_counter("galore_phase", 0)
         layer._phase = 0
         layer._refresh_due_cache = layer.needs_basis
     traced_layers = max((i for i, _ in layers), default=-1) + 1
@@ -340,10 +340,10 @@ def _restage(model: nn.Module, member) -> None:
     layer at phase 1 with a gap beyond the trace (never due again)."""
     for _, layer in _galore_layers(model):
         phase = 0 if layer is member else 1
-        layer.galore_phase.fill_(phase)
+        layer._set_counter("galore_phase", phase)
         layer._phase = phase
         if layer is not member:
-            layer.galore_gap.fill_(1 << 20)
+            layer._set_counter("galore_gap", 1 << 20)
         layer._refresh_due_cache = None
 
 

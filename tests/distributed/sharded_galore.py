@@ -9,6 +9,7 @@ merged weights (gathered to full tensors) and per-layer base multipliers of rank
 import contextlib
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from torch import nn
 from _teardown import shut_down
 
 from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, merged_state_dict, prepare_model
+from hf_galore_plugin.layers.linear import COUNTER_NAMES
 
 STEPS = int(os.environ.get("STEPS", 30))
 GLOBAL_BATCH, ACCUMULATION, LR, WEIGHT_DECAY = 16, 2, 1e-2, 0.01
@@ -82,6 +84,8 @@ def check_bases_identical(model: nn.Module, world: int, step: int) -> None:
 def main(out: str) -> None:
     engine_name = os.environ["ENGINE"]
     distributed = engine_name != "single"
+    # An engine writing a counter buffer behind a layer's back (DDP's buffer broadcast) must not change it.
+    warnings.filterwarnings("error", message=".*written without sync_counters")
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
@@ -157,6 +161,9 @@ def main(out: str) -> None:
     multipliers = {
         name.replace("_fsdp_wrapped_module.", ""): float(layer.base_multiplier) for name, layer in galore_layers(model)
     }
+    for name, layer in galore_layers(model):
+        buffers = {counter: int(getattr(layer, counter)) for counter in COUNTER_NAMES}
+        assert {counter: layer.counter(counter) for counter in COUNTER_NAMES} == buffers, (rank, name, buffers)
     if rank == 0:
         torch.save({"losses": losses, "refreshes": refreshes, "weights": weights, "multipliers": multipliers}, out)
 
