@@ -88,17 +88,7 @@ def _trained_layer(config: GaLoreConfig, steps: int, *, seed: int) -> tuple[nn.M
 
 def _train(model, optimizer, steps: int, *, seed: int) -> list[list[bool]]:
     """`steps` steps of a regression; returns each step's refresh_due of every layer (before the step)."""
-    gen = torch.Generator().manual_seed(1000 + seed)
-    target = torch.randn(16, 24, generator=gen)
-    due = []
-    for _ in range(steps):
-        due.append([layer.refresh_due for _, layer in hgp.galore_layers(model)])
-        x = torch.randn(8, 24, generator=gen)
-        torch.nn.functional.mse_loss(model(x), x @ target.T).backward()
-        optimizer.step()
-        hgp.after_step(model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    return due
+    return _train_from(model, optimizer, start=0, stop=steps, seed=seed)
 
 
 def _counters_from_buffers(layer) -> dict[str, int]:
