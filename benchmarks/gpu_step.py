@@ -12,7 +12,9 @@ TinyLlama-1.1B's shape), bf16 weights, batch 4 x 512 tokens, activation checkpoi
 forward + backward + optimizer.step() (+ after_step for ours) + zero_grad(set_to_none). Steps 0-2 are
 warm-up (step 0 is our calibration step, which also computes the first bases); the median of the
 next 5 is reported. Refresh steps are not in the timed window (gap 200, as in the GaLore paper).
-Peak memory: torch.cuda.max_memory_allocated over the whole run, weights included.
+Peak memory: torch.cuda.max_memory_allocated over the whole run, weights included. Step-driver syncs:
+device-to-host synchronizations inside after_step of one more normal step (CUDA's sync debug mode);
+the layers read their schedule counters from host copies, so this should be 0 at any depth.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pathlib
 import statistics
 import sys
 import time
+import warnings
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -127,6 +130,24 @@ def kernel(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------- 1B step
+def _step_driver_syncs(model, optimizer, after_step, ids) -> int:
+    """Device-to-host synchronizations inside the step driver (`after_step`) of one normal step, as
+    counted by CUDA's sync debug mode (one warning per synchronizing call)."""
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            after_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    optimizer.zero_grad(set_to_none=True)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
 def step(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     shape = SHAPES["tiny-h64" if args.tiny else "1.1b"]
@@ -158,6 +179,7 @@ def step(args: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats()
     seconds = _median_seconds(one_step, device, 0, 2 if args.tiny else 5)
     normal_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    driver_syncs = _step_driver_syncs(model, optimizer, after_step, ids) if device.type == "cuda" else None
     result = {
         "method": args.method,
         "parameters": params,
@@ -168,6 +190,7 @@ def step(args: argparse.Namespace) -> None:
         "peak_allocated_bytes": max(run_peak, normal_peak) if device.type == "cuda" else None,
         "warmup_peak_allocated_bytes": run_peak,  # steps 0-2: the calibration/first-refresh step
         "normal_step_peak_allocated_bytes": normal_peak,  # the timed steps only (no refresh)
+        "step_driver_device_syncs": driver_syncs,  # in after_step of one normal step (CUDA sync debug mode)
         "settings": {"shape": shape, "rank": rank, "dtype": "bf16", "gradient_checkpointing": False},
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
@@ -208,21 +231,22 @@ def table(args: argparse.Namespace) -> None:
         first = next(iter(results.values()))
         plans = planned_peaks(first["settings"]["shape"], first["settings"]["rank"], first["batch"], first["seq"])
     lines = ["| method | params | batch x seq | s/step | tokens/s | vs AdamW | peak GiB, whole run | peak GiB, normal steps "
-             "| planner peak GiB (normal / refresh step) |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| planner peak GiB (normal / refresh step) | step-driver syncs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for method in STEP_METHODS:
         r = results.get(method)
         planned = plans.get(method)
         planned = "n/a" if planned is None else f"{planned[0] / 2**30:.2f} / {planned[1] / 2**30:.2f}"
         if r is None:
-            lines.append(f"| {method} | not run (see gpu.log) | | | | | | | {planned} |")
+            lines.append(f"| {method} | not run (see gpu.log) | | | | | | | {planned} | |")
             continue
         versus = f"{reference['seconds_per_step'] / r['seconds_per_step']:.2f}x" if reference else "n/a"
         peak = "n/a" if r["peak_allocated_bytes"] is None else f"{r['peak_allocated_bytes'] / 2**30:.2f}"
         normal = r.get("normal_step_peak_allocated_bytes")
         peak += " | " + ("n/a" if normal is None else f"{normal / 2**30:.2f}")
         lines.append(f"| {method} | {r['parameters'] / 1e9:.2f}B | {r['batch']} x {r['seq']} | {r['seconds_per_step']:.3f} "
-                     f"| {r['tokens_per_second']:.0f} | {versus} | {peak} | {planned} |")  # fmt: skip
+                     f"| {r['tokens_per_second']:.0f} | {versus} | {peak} | {planned} "
+                     f"| {'n/a' if r.get('step_driver_device_syncs') is None else r['step_driver_device_syncs']} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     (args.out / "step.md").write_text(text)
     print(text)
