@@ -82,8 +82,7 @@ def _blocks(model: Any, engine: str, block_class: Optional[type]) -> list:
     """The submodules of ``model`` that ``engine`` shards one by one; refuses a missing or nested class."""
     if not isinstance(block_class, type):
         raise ValueError(
-            f"engine={engine!r} shards block by block: pass block_class=<the model's layer class> "
-            f"(got {block_class!r})"
+            f"engine={engine!r} shards block by block: pass block_class=<the model's layer class> (got {block_class!r})"
         )
     blocks = [m for m in model.modules() if m is not model and isinstance(m, block_class)]
     if not blocks:

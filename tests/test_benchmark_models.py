@@ -184,7 +184,7 @@ def test_wrap_for_engine_makes_the_calls_the_callers_made(monkeypatch):
     for use_orig_params in (True, False):
         wrapped, forward = _engines.wrap_for_engine(model, "fsdp1", block_class=_Block, use_orig_params=use_orig_params)
         assert isinstance(wrapped, RecordingFSDP) and forward is wrapped
-        (kind, module, kwargs), = calls
+        ((kind, module, kwargs),) = calls
         assert kind == "FSDP" and module is model
         assert kwargs.pop("auto_wrap_policy")._module_classes == {_Block}
         assert kwargs == {"use_orig_params": use_orig_params, "device_id": torch.device("cpu")}
