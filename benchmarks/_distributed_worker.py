@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _engines import wrap_for_engine
 from _models import build_llama, scaled_shape
 
 ENGINE = os.environ["ENGINE"]  # ddp | fsdp1 | fsdp2 | zero1 | zero2 | zero3
@@ -200,30 +201,13 @@ def main(out: str) -> None:
 
         optimizer_for_refresh, forward_model = refresh_optimizer, engine
     else:
-        forward_model = model
-        if ENGINE == "ddp":
-            forward_model = nn.parallel.DistributedDataParallel(model)
-            # DDP's default reduction, run from Python so the wrapped dist.all_reduce sees each bucket
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-            forward_model.register_comm_hook(None, allreduce_hook)
-        elif ENGINE == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-        elif ENGINE == "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel
-            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-            from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-            model = forward_model = FullyShardedDataParallel(
-                model,
-                use_orig_params=True,
-                device_id=torch.device("cpu"),
-                auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-            )
+        # DDP: its default reduction, run from Python so the wrapped dist.all_reduce sees each bucket
+        model, forward_model = wrap_for_engine(
+            model, ENGINE, block_class=LlamaDecoderLayer, comm_hook=allreduce_hook if ENGINE == "ddp" else None
+        )
         optimizer = make_optimizer(model)
 
         def step_fn(ids):

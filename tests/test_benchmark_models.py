@@ -112,3 +112,98 @@ def test_no_benchmark_builds_its_own_llama():
     own = {p.name: calls for p in scripts if (calls := _builds_a_llama(p))}
     assert not own, f"build Llama models with _models.llama_config / build_llama, not directly: {own}"
     assert _builds_a_llama(BENCHMARKS / "_models.py")  # the checker sees the one builder that does
+
+
+# ------------------------------------------------------------------ benchmarks/_engines.py: engine wrapping
+import _engines  # noqa: E402  (standard library only at import)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+def _nested() -> nn.Module:
+    outer = _Block()
+    outer.inner = _Block()
+    return nn.Sequential(outer, _Block())
+
+
+def _toy() -> nn.Module:
+    return nn.Sequential(_Block(), _Block(), _Block(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize(
+    "engine, kwargs, message",
+    [
+        ("fsdp3", {}, r"engine='fsdp3' is not one of \('single', 'ddp', 'fsdp1', 'fsdp2'\)"),
+        ("fsdp2", {"comm_hook": print}, r"comm_hook=.*engine='fsdp2' has none, pass None"),
+        ("ddp", {"use_orig_params": False}, r"use_orig_params=False is an FSDP1 option; engine='ddp'"),
+        ("fsdp1", {}, r"engine='fsdp1' shards block by block: pass block_class=.*got None"),
+        ("fsdp2", {"block_class": nn.Conv2d}, r"block_class=Conv2d matches no submodule of Sequential"),
+        ("fsdp2", {"block_class": _Block, "_nested": True}, r"block_class=_Block nests"),
+    ],
+)
+def test_wrap_for_engine_refuses_bad_arguments_by_name(engine, kwargs, message):
+    model = _nested() if kwargs.pop("_nested", False) else _toy()
+    with pytest.raises(ValueError, match=message):
+        _engines.wrap_for_engine(model, engine, **kwargs)
+
+
+def test_wrap_for_engine_makes_the_calls_the_callers_made(monkeypatch):
+    """Oracle: the calls each caller made inline before the wrapping was shared (per block in module
+    order, then the root; FSDP1 with the CPU device and the block class as its wrap policy; DDP with the
+    hook registered on the wrapper). The engines are replaced by recorders: no process group needed."""
+    import torch.distributed.fsdp as fsdp
+
+    calls = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module: calls.append(("fully_shard", module)))
+
+    class RecordingFSDP:
+        def __init__(self, module, **kwargs):
+            calls.append(("FSDP", module, kwargs))
+
+    class RecordingDDP:
+        def __init__(self, module):
+            calls.append(("DDP", module))
+
+        def register_comm_hook(self, state, hook):
+            calls.append(("hook", state, hook))
+
+    monkeypatch.setattr(fsdp, "FullyShardedDataParallel", RecordingFSDP)
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", RecordingDDP)
+
+    model = _toy()
+    assert _engines.wrap_for_engine(model, "single") == (model, model) and calls == []
+
+    assert _engines.wrap_for_engine(model, "fsdp2", block_class=_Block) == (model, model)
+    assert calls == [("fully_shard", m) for m in (model[0], model[1], model[2], model)]
+
+    calls.clear()
+    for use_orig_params in (True, False):
+        wrapped, forward = _engines.wrap_for_engine(model, "fsdp1", block_class=_Block, use_orig_params=use_orig_params)
+        assert isinstance(wrapped, RecordingFSDP) and forward is wrapped
+        ((kind, module, kwargs),) = calls
+        assert kind == "FSDP" and module is model
+        assert kwargs.pop("auto_wrap_policy")._module_classes == {_Block}
+        assert kwargs == {"use_orig_params": use_orig_params, "device_id": torch.device("cpu")}
+        calls.clear()
+
+    for hook in (None, print):
+        optimized, forward = _engines.wrap_for_engine(model, "ddp", comm_hook=hook)
+        assert optimized is model and isinstance(forward, RecordingDDP)
+        assert calls == [("DDP", model)] + ([("hook", None, hook)] if hook else [])
+        calls.clear()
+
+
+def test_no_distributed_script_wraps_a_model_itself():
+    """One wrapping helper: a second copy of the wrapping code in a distributed test or the benchmark
+    worker fails here."""
+    scripts = sorted((REPO / "tests" / "distributed").glob("*.py")) + [BENCHMARKS / "_distributed_worker.py"]
+    assert len(scripts) >= 6  # the glob found the distributed scripts
+    calls = ("fully_shard(", "FullyShardedDataParallel(", "DistributedDataParallel(")
+    own = {p.name: [c for c in calls if c in p.read_text()] for p in scripts}
+    own = {name: found for name, found in own.items() if found}
+    assert not own, f"wrap models with benchmarks/_engines.py's wrap_for_engine, not directly: {own}"
+    assert all(c in (BENCHMARKS / "_engines.py").read_text() for c in calls)  # the checker sees the one that does

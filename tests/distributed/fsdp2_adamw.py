@@ -6,15 +6,18 @@ Arguments: checkpoint directory, state bits (32 or 8). Rank 0 prints one line `R
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.fsdp import fully_shard
 from _teardown import shut_down
 
 from hf_galore_plugin.optim import AdamW
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # appended: shadows nothing
+from _engines import wrap_for_engine  # noqa: E402
 
 checkpoint_dir, state_bits = sys.argv[1], int(sys.argv[2])
 dist.init_process_group("gloo")
@@ -30,9 +33,7 @@ def build(shard):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(96, 75), torch.nn.Linear(75, 40), torch.nn.Linear(40, 1))
     if shard:
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+        wrap_for_engine(model, "fsdp2", block_class=torch.nn.Linear)
     return model, AdamW(model.parameters(), **config)
 
 

@@ -10,12 +10,17 @@ import contextlib
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from _teardown import shut_down
+
+# Appended, not prepended: the benchmark scripts' names (step, memory, ...) must not shadow anything.
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _engines import wrap_for_engine  # noqa: E402
 
 from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, merged_state_dict, prepare_model
 from hf_galore_plugin.layers.linear import COUNTER_NAMES
@@ -99,26 +104,9 @@ def main(out: str) -> None:
 
         losses, refreshes, weights = train_deepspeed(model, int(engine_name[-1]), batches(rank, world), world)
     else:
-        forward = model
-        if engine_name == "ddp":
-            forward = nn.parallel.DistributedDataParallel(model)
-        elif engine_name == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            for block in list(model)[:3]:
-                fully_shard(block)
-            fully_shard(model)
-        elif engine_name == "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel
-            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-            model = FullyShardedDataParallel(
-                model,
-                use_orig_params=os.environ.get("USE_ORIG_PARAMS", "1") == "1",
-                device_id=torch.device("cpu"),
-                auto_wrap_policy=ModuleWrapPolicy({Block}),
-            )
-            forward = model
+        model, forward = wrap_for_engine(
+            model, engine_name, block_class=Block, use_orig_params=os.environ.get("USE_ORIG_PARAMS", "1") == "1"
+        )
         optimizer = create_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
         if os.environ.get("FAKE_STEP") == "1":
             # What FSDP2/DCP checkpointing does to an optimizer without state: a zero-gradient step at lr 0.
