@@ -19,7 +19,8 @@ from torch import nn
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+# Appended: benchmarks/distributed.py must not shadow the tests' own `distributed` package.
+sys.path.append(str(BENCHMARKS))
 
 import _models  # noqa: E402  (imports neither the plugin nor transformers, and sets no environment variable)
 

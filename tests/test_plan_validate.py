@@ -21,7 +21,8 @@ import pytest
 pytest.importorskip("transformers")
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+# Appended: benchmarks/distributed.py must not shadow the tests' own `distributed` package.
+sys.path.append(str(REPO / "benchmarks"))
 
 import plan_validate  # noqa: E402
 
