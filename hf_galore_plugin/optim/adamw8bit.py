@@ -227,6 +227,15 @@ def _packed_lookup_table(signed: bool) -> torch.Tensor:
     return (first | (threshold << 8)).to(torch.int32)
 
 
+def _code_tables(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What every implementation of the step reads: per book (signed, then unsigned) its 256 code
+    values, the nearest-code bucket table and the padded midpoints (all cached per device)."""
+    return (
+        dynamic_code_book(signed=True, device=device)[0], *code_lookup_table(signed=True, device=device),
+        dynamic_code_book(signed=False, device=device)[0], *code_lookup_table(signed=False, device=device),
+    )  # fmt: skip
+
+
 def _cpp_applies(param: torch.Tensor, grad: torch.Tensor) -> bool:
     return (
         param.device.type == "cpu"
@@ -379,10 +388,7 @@ def adamw8bit_step_torch(
     s["eps"] = eps
     device = param.device
     scalars = torch.tensor([s[k] for k in _SCALARS], dtype=torch.float32, device=device)
-    books = (
-        *(dynamic_code_book(signed=True, device=device)[:1]), *code_lookup_table(signed=True, device=device),
-        *(dynamic_code_book(signed=False, device=device)[:1]), *code_lookup_table(signed=False, device=device),
-    )  # fmt: skip
+    books = _code_tables(device)
     flat = (
         param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
         exp_avg_residual_codes, exp_avg_residual_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
@@ -446,11 +452,7 @@ def adamw8bit_step_triton(
 
     scalars = adam_step_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     scalars["eps"] = eps
-    device = param.device
-    tables = (
-        dynamic_code_book(signed=True, device=device)[0], *code_lookup_table(signed=True, device=device),
-        dynamic_code_book(signed=False, device=device)[0], *code_lookup_table(signed=False, device=device),
-    )  # fmt: skip
+    tables = _code_tables(param.device)
     launch_adamw8bit_step(
         param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
         exp_avg_residual_codes, exp_avg_residual_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
