@@ -776,3 +776,82 @@ def test_8bit_cpp_step_bit_identical_to_eager_on_tails_block_sizes_and_threads(n
     # code; blocks of 100 and tensor tails of 1..7 values run both paths, block sizes 64..2048 change
     # the per-block buffers, and 300_007 values (more than one thread's minimum share) run in parallel.
     _cpp_vs_eager(n, block_size, error_feedback)
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_8bit_group_steps_in_one_cpp_call_bit_identical_to_per_tensor_steps(monkeypatch, error_feedback):
+    # A group's 8-bit parameters go to the C++ step as one list: one call, whose blocks span tensors
+    # of every size (tails, one value, more than a thread's share), each tensor at its own step count,
+    # with exactly the per-tensor step's results.
+    from hf_galore_plugin.optim import adamw8bit
+
+    sizes, steps = [1, 263, 4096, 300_007, 9, 5003], [1, 3, 2, 1, 5, 2]
+    g = torch.Generator().manual_seed(0)
+    starts = [torch.randn(n, generator=g) for n in sizes]
+    grads = [torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4 for n in sizes]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
+
+    def state_of(n):
+        return tuple(t for t in _eight_bit_state(n, error_feedback) if t is not None)
+
+    singles = [(start.clone(), state_of(n)) for start, n in zip(starts, sizes)]
+    for (param, state), grad, step in zip(singles, grads, steps):
+        adamw8bit.adamw8bit_step(param, grad, *state, step=step, **hyper)
+    calls = []
+    run_cpp = adamw8bit._run_cpp
+    monkeypatch.setattr(adamw8bit, "_run_cpp", lambda *args: calls.append(len(args[0])) or run_cpp(*args))
+    params, states = [s.clone() for s in starts], [state_of(n) for n in sizes]
+    adamw8bit.adamw8bit_step_multi(params, grads, states, steps=steps, **hyper)
+    assert calls == [len(sizes)]
+    for (single_param, single_state), param, state in zip(singles, params, states):
+        assert torch.equal(param, single_param)
+        assert all(torch.equal(a, b) for a, b in zip(state, single_state))
+
+
+def test_8bit_optimizer_steps_each_group_of_8bit_parameters_in_one_call(monkeypatch):
+    # AdamW hands its 8-bit parameters to one multi-tensor call per (device, block size, error
+    # feedback): 40 matrices of 6K-8K values step in one call, with the results of one call per parameter.
+    from hf_galore_plugin.optim import functional
+
+    torch.manual_seed(0)
+    shapes = [(64, 96 + i) for i in range(40)]
+    starts = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) * 1e-2 for s in shapes] for _ in range(3)]
+
+    def run():
+        params = [torch.nn.Parameter(s.clone()) for s in starts]
+        opt = AdamW(params, lr=1e-2, state_bits=8)
+        for step_grads in grads:
+            for p, grad in zip(params, step_grads):
+                p.grad = grad
+            opt.step()
+        return params
+
+    real = functional.adamw8bit_step_multi
+    calls = []
+
+    def one_at_a_time(params, grads, states, **kwargs):
+        calls.append(len(params))
+        steps = kwargs.pop("steps")
+        for i in range(len(params)):
+            real([params[i]], [grads[i]], [states[i]], steps=[steps[i]], **kwargs)
+
+    monkeypatch.setattr(functional, "adamw8bit_step_multi", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    grouped = run()
+    assert calls == [40, 40, 40]
+    monkeypatch.setattr(functional, "adamw8bit_step_multi", one_at_a_time)
+    separate = run()
+    assert all(torch.equal(a, b) for a, b in zip(grouped, separate))
+
+
+def test_8bit_multi_step_refuses_mismatched_lists():
+    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_multi
+
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
+    p, g = torch.zeros(8), torch.zeros(8)
+    four = tuple(t for t in _eight_bit_state(8, False) if t is not None)
+    eight = tuple(_eight_bit_state(8, True))
+    with pytest.raises(ValueError, match="2 params, 1 grads"):
+        adamw8bit_step_multi([p, p.clone()], [g], [four, four], steps=[1, 1], **hyper)
+    with pytest.raises(ValueError, match=r"state tuples of \[4, 8\] tensors"):
+        adamw8bit_step_multi([p, p.clone()], [g, g], [four, eight], steps=[1, 1], **hyper)

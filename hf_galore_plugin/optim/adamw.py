@@ -44,6 +44,7 @@ from hf_galore_plugin.optim.functional import (
     EIGHT_BIT_STATE_KEYS,
     RESIDUAL_STATE_KEYS,
     adamw_step_8bit,
+    adamw_steps_8bit,
     adamw_step_fp32,
 )
 from hf_galore_plugin.optim.offload import (
@@ -99,9 +100,14 @@ _FUSED_ALIGN = 64
 
 
 def _add_fused(lists: list[list], tensors: tuple[torch.Tensor, ...], step: torch.Tensor) -> None:
-    flat = [t.view(-1) for t in tensors]
-    n = flat[0].numel()
+    n = tensors[0].numel()
     body = n - n % _FUSED_ALIGN
+    if body == n:  # the whole tensors, as they are (the kernel takes any shape; views cost microseconds)
+        for i, t in enumerate(tensors):
+            lists[i].append(t)
+        lists[4].append(step)
+        return
+    flat = [t.view(-1) for t in tensors]
     if body:
         for i, t in enumerate(flat):
             lists[i].append(t[:body])
@@ -143,10 +149,12 @@ def _run_fused(lists: list[list], group: dict[str, Any]) -> None:
         original.copy_(padded[: original.numel()])
 
 
-def _hyper(group: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+def _hyper(group: dict[str, Any], state: dict[str, Any] | None) -> dict[str, Any]:
+    """The step's keyword arguments: the group's options, and the parameter's step count when `state`
+    is given."""
     beta1, beta2 = (float(b) for b in group["betas"])
     return {
-        "step": int(state["step"].item()),
+        **({"step": int(state["step"].item())} if state is not None else {}),
         "lr": float(group["lr"]),
         "beta1": beta1,
         "beta2": beta2,
@@ -324,6 +332,8 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             fused: dict[torch.device, list[list[torch.Tensor]]] = {}
             streamed: dict[torch.device, list] = {}
+            # 8-bit parameters per (device, block size, error feedback): one multi-tensor call each.
+            eight_bit: dict[tuple[torch.device, int, bool], tuple[list, list, list, list]] = {}
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -345,12 +355,18 @@ class AdamW(torch.optim.Optimizer):
                         lists = fused.setdefault(local.device, [[], [], [], [], [], []])
                         _add_fused(lists, (local, grad, exp_avg, exp_avg_sq), state["step"])
                         continue
-                hyper = _hyper(group, state)
                 if "exp_avg" in state:
-                    adamw_step_fp32(local, grad, exp_avg, exp_avg_sq, **hyper)
+                    adamw_step_fp32(local, grad, exp_avg, exp_avg_sq, **_hyper(group, state))
                 else:
                     tensors = {k: _local(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
-                    adamw_step_8bit(local, grad, tensors, block_size=state["block_size"], **hyper)
+                    key = (local.device, state["block_size"], RESIDUAL_STATE_KEYS[0] in tensors)
+                    params, grads, states, steps = eight_bit.setdefault(key, ([], [], [], []))
+                    params.append(local)
+                    grads.append(grad)
+                    states.append(tensors)
+                    steps.append(int(state["step"].item()))
+            for (_, block_size, _), (params, grads, states, steps) in eight_bit.items():
+                adamw_steps_8bit(params, grads, states, steps, block_size=block_size, **_hyper(group, None))
             for lists in fused.values():
                 # torch's multi-tensor fused AdamW kernel: one call for every fp32 tensor of the group
                 # (no per-tensor Python).

@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import warnings
+from typing import Any
 
 import torch
 
@@ -60,6 +61,7 @@ __all__ = [
     "adamw8bit_step_torch",
     "adamw8bit_step_triton",
     "adamw8bit_step",
+    "adamw8bit_step_multi",
     "COMPILE_MIN_NUMEL",
 ]
 
@@ -236,6 +238,12 @@ def _code_tables(device: torch.device) -> tuple[torch.Tensor, ...]:
     )  # fmt: skip
 
 
+def _cpp_books() -> tuple[torch.Tensor, ...]:
+    """The C++ step's tables: per book its code values and packed bucket table."""
+    books = _code_tables(torch.device("cpu"))
+    return books[0], _packed_lookup_table(True), books[3], _packed_lookup_table(False)
+
+
 def _cpp_applies(param: torch.Tensor, grad: torch.Tensor) -> bool:
     return (
         param.device.type == "cpu"
@@ -287,8 +295,8 @@ def _log_build_notice() -> None:
 
 
 def _run_cpp(*args) -> bool:
-    """Run the C++ step (adamw8bit_cpu.cpp, built once with torch's cpp_extension); False (after one
-    warning) where it cannot be built."""
+    """Run the C++ step (adamw8bit_cpu.cpp, built once with torch's cpp_extension) on lists of
+    tensors (one entry per parameter); False (after one warning) where it cannot be built."""
     global _cpp_extension, _cpp_failure
     if _cpp_failure is not None:
         return False
@@ -404,8 +412,7 @@ def adamw8bit_step_torch(
     if backend == "cpp":
         if not _cpp_applies(param, grad):
             raise ValueError("adamw8bit_step_torch: backend='cpp' needs fp32 contiguous CPU param and grad")
-        cpp_books = (books[0], _packed_lookup_table(True), books[3], _packed_lookup_table(False))
-        if _run_cpp(*flat, scalars, *cpp_books, block_size):
+        if _run_cpp(*([t] if t is not None else [] for t in flat), scalars.view(1, -1), *_cpp_books(), block_size):
             return
         backend = "inductor" if n >= COMPILE_MIN_NUMEL else "eager"
     full = n // block_size
@@ -548,3 +555,106 @@ def adamw8bit_step(
         adamw8bit_step_torch(*tensors, **hyper)
         return
     torch.ops.hf_galore.adamw8bit_step(*tensors, **hyper)
+
+
+_MULTI_MUTATED = (
+    "params", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales",
+    "exp_avg_residual_codes", "exp_avg_residual_scales", "exp_avg_sq_residual_codes", "exp_avg_sq_residual_scales",
+)  # fmt: skip
+
+
+def _step_each(lists: tuple[list[torch.Tensor], ...], steps: list[int], hyper: dict[str, Any]) -> None:
+    """`adamw8bit_step_multi` one parameter at a time (the per-tensor implementations)."""
+    residuals = bool(lists[6])
+    for i, step in enumerate(steps):
+        tensors = [lst[i] for lst in lists[:6]] + [lst[i] if residuals else None for lst in lists[6:]]
+        step_fn = adamw8bit_step_triton if use_triton(tensors[0]) else adamw8bit_step_torch
+        step_fn(*tensors, step=step, **hyper)
+
+
+@torch.library.custom_op("hf_galore::adamw8bit_step_multi", mutates_args=_MULTI_MUTATED)
+def _adamw8bit_step_multi_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avg_codes: list[torch.Tensor],
+    exp_avg_scales: list[torch.Tensor],
+    exp_avg_sq_codes: list[torch.Tensor],
+    exp_avg_sq_scales: list[torch.Tensor],
+    exp_avg_residual_codes: list[torch.Tensor],
+    exp_avg_residual_scales: list[torch.Tensor],
+    exp_avg_sq_residual_codes: list[torch.Tensor],
+    exp_avg_sq_residual_scales: list[torch.Tensor],
+    steps: list[int],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    block_size: int,
+) -> None:
+    """The whole list in one C++ call where every parameter takes the C++ step, else per tensor."""
+    lists = (
+        params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
+        exp_avg_residual_codes, exp_avg_residual_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
+    )  # fmt: skip
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size)
+    if (
+        params
+        and _compile_enabled()
+        and all(_cpp_applies(p, g) for p, g in zip(params, grads))
+        # One list is all real or all fake tensors: the first pair tells.
+        and not _is_traced(params[0], grads[0])
+    ):
+        per_step = {}
+        for step in set(steps):
+            scalars = adam_step_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+            per_step[step] = [scalars[k] for k in _SCALARS[:-1]] + [eps]
+        rows = torch.tensor([per_step[step] for step in steps], dtype=torch.float32)
+        if _run_cpp(*lists, rows, *_cpp_books(), block_size):
+            return
+    _step_each(lists, steps, hyper)
+
+
+@_adamw8bit_step_multi_op.register_fake
+def _adamw8bit_step_multi_fake(*args) -> None:
+    """Every tensor is updated in place and nothing is allocated."""
+
+
+def adamw8bit_step_multi(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[tuple[torch.Tensor, ...]],
+    *,
+    steps: list[int],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    block_size: int,
+) -> None:
+    """`adamw8bit_step` for many parameters of one device at once: `states[i]` holds parameter i's
+    four state tensors (codes and scales of both moments) or eight (with the residuals of error
+    feedback, then for every parameter), `steps[i]` its step count. One call of
+    `torch.ops.hf_galore.adamw8bit_step_multi`, which on the CPU steps every block of the list in one
+    C++ call: per parameter the results are bit-identical to `adamw8bit_step`'s."""
+    count = len(params)
+    if not (len(grads) == len(states) == len(steps) == count):
+        raise ValueError(
+            f"adamw8bit_step_multi: {count} params, {len(grads)} grads, {len(states)} states and {len(steps)}"
+            " steps; give one of each per parameter"
+        )
+    widths = {len(state) for state in states}
+    if not widths <= {4} and not widths <= {8}:
+        raise ValueError(
+            f"adamw8bit_step_multi: state tuples of {sorted(widths)} tensors; give 4 (no error feedback) or 8"
+            " (with the residuals) for every parameter of one call"
+        )
+    columns = [list(column) for column in zip(*states)] if states else [[] for _ in range(4)]
+    columns += [[] for _ in range(8 - len(columns))]
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size)
+    if KERNEL_DISPATCH.inline_twins:
+        _step_each((params, grads, *columns), steps, hyper)
+        return
+    if count:
+        torch.ops.hf_galore.adamw8bit_step_multi(params, grads, *columns, steps, **hyper)

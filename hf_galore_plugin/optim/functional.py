@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from hf_galore_plugin.optim.adamw8bit import adamw8bit_step
+from hf_galore_plugin.optim.adamw8bit import adamw8bit_step, adamw8bit_step_multi
 
-__all__ = ["adamw_step_fp32", "adamw_step_8bit", "EIGHT_BIT_STATE_KEYS", "RESIDUAL_STATE_KEYS"]
+__all__ = ["adamw_step_fp32", "adamw_step_8bit", "adamw_steps_8bit", "EIGHT_BIT_STATE_KEYS", "RESIDUAL_STATE_KEYS"]
 
 # State keys of an 8-bit parameter, in the argument order of the fused kernel.
 EIGHT_BIT_STATE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
@@ -73,15 +73,64 @@ def adamw_step_8bit(
     `state` holds local tensors: codes with the parameter's element count, scales with one fp32
     per block of `block_size` flattened values.
     """
-    flat = param.contiguous().view(-1)
-    n_blocks = -(-flat.numel() // block_size)
-    # Scales may be longer than n_blocks (a DTensor shard pads to the largest shard's count).
-    keys = EIGHT_BIT_STATE_KEYS + (RESIDUAL_STATE_KEYS if RESIDUAL_STATE_KEYS[0] in state else ())
-    tensors = [state[k].view(-1)[:n_blocks] if k.endswith("scales") else state[k].view(-1) for k in keys]
-    tensors += [None] * (8 - len(tensors))
+    flat, state_tensors = _flat_8bit(param, state, block_size)
     adamw8bit_step(
-        flat, grad.contiguous().view(-1), *tensors,
+        flat, grad.contiguous().view(-1), *state_tensors,
         step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size,
     )  # fmt: skip
     if not param.is_contiguous():
         param.copy_(flat.view(param.shape))
+
+
+def adamw_steps_8bit(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    steps: list[int],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    block_size: int,
+) -> None:
+    """`adamw_step_8bit` for many parameters of one device, one block size and one error-feedback
+    setting, in one `adamw8bit_step_multi` call (per parameter bit-identical to `adamw_step_8bit`)."""
+    flats, state_lists = [], []
+    for param, state in zip(params, states):
+        flat, state_tensors = _flat_8bit(param, state, block_size)
+        flats.append(flat)
+        state_lists.append(tuple(t for t in state_tensors if t is not None))
+    adamw8bit_step_multi(
+        flats, [_flat(grad.contiguous()) for grad in grads], state_lists,
+        steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size,
+    )  # fmt: skip
+    for param, flat in zip(params, flats):
+        if not param.is_contiguous():
+            param.copy_(flat.view(param.shape))
+
+
+def _flat_8bit(
+    param: torch.Tensor, state: dict[str, torch.Tensor], block_size: int
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The flat parameter (a contiguous copy where it is not contiguous) and its 8 state tensors in
+    the kernels' order (None for absent residuals), scales cut to the parameter's block count."""
+    flat = _flat(param.contiguous())
+    n_blocks = -(-flat.numel() // block_size)
+    keys = EIGHT_BIT_STATE_KEYS + (RESIDUAL_STATE_KEYS if RESIDUAL_STATE_KEYS[0] in state else ())
+    tensors: list[torch.Tensor | None] = []
+    for key in keys:
+        tensor = _flat(state[key])
+        # Scales may be longer than n_blocks (a DTensor shard pads to the largest shard's count).
+        if key.endswith("scales") and tensor.numel() != n_blocks:
+            tensor = tensor[:n_blocks]
+        tensors.append(tensor)
+    tensors += [None] * (8 - len(tensors))
+    return flat, tensors
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a contiguous tensor (itself when it is 1-D: a view costs a few microseconds, and
+    a step of many small parameters makes several per parameter)."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
