@@ -1,7 +1,8 @@
-"""One AdamW step over one fp32 parameter, for every state format, side by side in one process.
+"""One AdamW step over one fp32 parameter, and over a group of many small ones, for every state
+format, side by side in one process.
 
-    python benchmarks/optimizer_speed.py --out outputs/optimizer_speed            # 1M, 16M, 64M values
-    python benchmarks/optimizer_speed.py --quick --out outputs/optimizer_speed    # 256K values, for CI
+    python benchmarks/optimizer_speed.py --out outputs/optimizer_speed    # 1M, 16M, 64M values; 1000 x 4K
+    python benchmarks/optimizer_speed.py --quick --out outputs/optimizer_speed    # 256K; 64 x 4K, for CI
 
 Rows: torch.optim.AdamW fused and foreach (fp32 state), ours with fp32 state, 8-bit state and 8-bit
 state with error feedback (hf_galore_plugin.optim.AdamW), bitsandbytes' AdamW8bit (its CPU backend,
@@ -9,7 +10,9 @@ when importable), and, at sizes up to --eager-max values, our 8-bit step with co
 (HF_GALORE_COMPILE=0, the eager torch twin). Every optimizer owns an identically initialised
 parameter and sees the same gradient; after --warmup steps (compilation happens there), the
 optimizers step in rounds whose order rotates, so a busy machine slows all of them alike; the median
-of --repeats steps is reported. Threads: --threads (default 2, the project's CPU machine).
+of --repeats steps is reported. Threads: --threads (default 2, the project's CPU machine). The
+group rows (--group COUNT VALUES: one parameter group of COUNT parameters of VALUES values each, a
+model's norms, biases and small factors) show the per-parameter cost of each optimizer's step.
 
 GB/s counts the bytes a step must move at least: read parameter, gradient and state, write
 parameter and state (fp32 state 28 B per value; 8-bit 16 B + 16 B per block; with error feedback
@@ -39,6 +42,7 @@ from hf_galore_plugin.optim import AdamW  # noqa: E402
 BLOCK = 256
 FULL_SIZES = (1 << 20, 1 << 24, 1 << 26)
 QUICK_SIZES = (1 << 18,)
+FULL_GROUP, QUICK_GROUP = (1000, 4096), (64, 4096)
 
 
 def bytes_per_step(method: str, n: int) -> int:
@@ -61,22 +65,22 @@ LABELS = {
 }
 
 
-def make_optimizer(method: str, param: torch.nn.Parameter):
+def make_optimizer(method: str, params: list[torch.nn.Parameter]):
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     if method == "torch_fused":
-        return torch.optim.AdamW([param], **hyper, fused=True)
+        return torch.optim.AdamW(params, **hyper, fused=True)
     if method == "torch_foreach":
-        return torch.optim.AdamW([param], **hyper, foreach=True)
+        return torch.optim.AdamW(params, **hyper, foreach=True)
     if method == "ours_fp32":
-        return AdamW([param], **hyper)
+        return AdamW(params, **hyper)
     if method in ("ours_8bit", "ours_8bit_eager"):
-        return AdamW([param], **hyper, state_bits=8, block_size=BLOCK)
+        return AdamW(params, **hyper, state_bits=8, block_size=BLOCK)
     if method == "ours_8bit_ef":
-        return AdamW([param], **hyper, state_bits=8, block_size=BLOCK, error_feedback=True)
+        return AdamW(params, **hyper, state_bits=8, block_size=BLOCK, error_feedback=True)
     if method == "bnb_adamw8bit":
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit([param], **hyper)
+        return bnb.optim.AdamW8bit(params, **hyper)
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -104,34 +108,41 @@ def bnb_available() -> bool:
     return True
 
 
-def measure(n: int, methods: list[str], *, warmup: int, repeats: int) -> list[dict]:
+def measure(n: int, methods: list[str], *, warmup: int, repeats: int, count: int = 1) -> list[dict]:
+    """Rows for `count` parameters of `n` values each, in one group per optimizer."""
     g = torch.Generator().manual_seed(0)
-    start = torch.randn(n, generator=g)
-    grads = [torch.randn(n, generator=g) * 1e-2 for _ in range(2)]
+    start = torch.randn(count * n, generator=g)
+    grads = [torch.randn(count * n, generator=g) * 1e-2 for _ in range(2)]
     runners = []
     for method in methods:
-        param = torch.nn.Parameter(start.clone())
-        runners.append({"method": method, "param": param, "opt": make_optimizer(method, param), "times": []})
+        params = [torch.nn.Parameter(part.clone()) for part in start.split(n)]
+        param = torch.nn.Parameter(start.clone())  # the parameters' values, gathered after the steps
+        runners.append({"method": method, "params": params, "param": param,
+                        "opt": make_optimizer(method, params), "times": []})  # fmt: skip
     total = warmup + repeats
     for step in range(total):
         order = runners[step % len(runners) :] + runners[: step % len(runners)]
         for r in order:
-            r["param"].grad = grads[step % 2]
+            for p, grad in zip(r["params"], grads[step % 2].split(n)):
+                p.grad = grad
             with compile_off(r["method"]):
                 t0 = time.perf_counter()
                 r["opt"].step()
                 elapsed = time.perf_counter() - t0
             if step >= warmup:
                 r["times"].append(elapsed)
+    for r in runners:
+        with torch.no_grad():
+            r["param"].copy_(torch.cat([p.detach() for p in r["params"]]))
     fused = next(r for r in runners if r["method"] == "torch_fused")
     fused_s = statistics.median(fused["times"])
     rows = []
     for r in runners:
         seconds = statistics.median(r["times"])
-        moved = bytes_per_step(r["method"], n)
+        moved = count * bytes_per_step(r["method"], n)
         diff = (r["param"].detach() - fused["param"].detach()).abs().max().item()
         rows.append({
-            "method": r["method"], "numel": n, "steps": total, "seconds": seconds, "bytes": moved,
+            "method": r["method"], "numel": n, "tensors": count, "steps": total, "seconds": seconds, "bytes": moved,
             "gb_per_s": moved / seconds / 1e9, "vs_fused": seconds / fused_s,
             "max_abs_diff_vs_fused": diff, "bit_identical_to_fused": bool(torch.equal(r["param"], fused["param"])),
             "param_sha1": hashlib.sha1(r["param"].detach().numpy().tobytes()).hexdigest(),
@@ -147,9 +158,9 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         ms = r["seconds"] * 1e3
         step = f"{ms:.2f} ms" if ms < 10 else f"{ms:,.0f} ms"
-        lines.append(
-            f"| {LABELS[r['method']]} | {r['numel'] / 2**20:g}M | {step} | {r['gb_per_s']:.1f} | {r['vs_fused']:.2f}x |"
-        )
+        count = r.get("tensors", 1)
+        values = f"{r['numel'] / 2**20:g}M" if count == 1 else f"{count} x {r['numel'] / 2**10:g}K"
+        lines.append(f"| {LABELS[r['method']]} | {values} | {step} | {r['gb_per_s']:.1f} | {r['vs_fused']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -162,18 +173,27 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=None, help="timed steps (default 5, --quick 3)")
     parser.add_argument("--eager-max", type=int, default=1 << 20, help="largest size with the eager 8-bit row")
+    parser.add_argument(
+        "--group", type=int, nargs=2, metavar=("COUNT", "VALUES"),
+        help="the group rows' parameter count and values per parameter (default 1000 4096; --quick 64 4096;"
+        " 0 0 leaves them out)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     repeats = args.repeats or (3 if args.quick else 5)
     with_bnb = bnb_available()
+    count, values = args.group or (QUICK_GROUP if args.quick else FULL_GROUP)
+    if count < 0 or values < 0 or (count == 0) != (values == 0):
+        parser.error(f"--group {count} {values}: give a positive count and size, or 0 0 for no group rows")
     rows = []
-    for n in sizes:
+    for n, tensors in [(n, 1) for n in sizes] + ([(values, count)] if count else []):
         methods = ["torch_fused", "torch_foreach", "ours_fp32", "ours_8bit", "ours_8bit_ef"]
         methods += ["bnb_adamw8bit"] if with_bnb else []
-        methods += ["ours_8bit_eager"] if n <= args.eager_max else []
-        rows += measure(n, methods, warmup=args.warmup, repeats=repeats)
-        print(table([r for r in rows if r["numel"] == n]), flush=True)
+        methods += ["ours_8bit_eager"] if n * tensors <= args.eager_max else []
+        new_rows = measure(n, methods, warmup=args.warmup, repeats=repeats, count=tensors)
+        rows += new_rows
+        print(table(new_rows), flush=True)
     # Which 8-bit step ran: the C++ build first, the torch.compile'd twin where it cannot be built.
     if adamw8bit._cpp_extension is not None and adamw8bit._cpp_failure is None:
         backend = "cpp"

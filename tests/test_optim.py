@@ -855,3 +855,31 @@ def test_8bit_multi_step_refuses_mismatched_lists():
         adamw8bit_step_multi([p, p.clone()], [g], [four, four], steps=[1, 1], **hyper)
     with pytest.raises(ValueError, match=r"state tuples of \[4, 8\] tensors"):
         adamw8bit_step_multi([p, p.clone()], [g, g], [four, eight], steps=[1, 1], **hyper)
+
+
+def test_8bit_multi_step_sends_bf16_parameters_per_tensor_and_the_rest_in_one_cpp_call(monkeypatch):
+    # bf16 parameters have no C++ step: they take the torch step one by one while the fp32 ones of the
+    # same list still go to the C++ step together; every result equals the per-tensor step's.
+    from hf_galore_plugin.optim import adamw8bit
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]
+    g = torch.Generator().manual_seed(1)
+    starts = [torch.randn(700 + 300 * i, generator=g).to(d) for i, d in enumerate(dtypes)]
+    grads = [(torch.randn(s.numel(), generator=g) * 1e-2).to(s.dtype) for s in starts]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
+
+    def state_of(n):
+        return tuple(t for t in _eight_bit_state(n, False) if t is not None)
+
+    singles = [(s.clone(), state_of(s.numel())) for s in starts]
+    for (param, state), grad in zip(singles, grads):
+        adamw8bit.adamw8bit_step(param, grad, *state, step=2, **hyper)
+    calls = []
+    run_cpp = adamw8bit._run_cpp
+    monkeypatch.setattr(adamw8bit, "_run_cpp", lambda *args: calls.append([t.dtype for t in args[0]]) or run_cpp(*args))
+    params, states = [s.clone() for s in starts], [state_of(s.numel()) for s in starts]
+    adamw8bit.adamw8bit_step_multi(params, grads, states, steps=[2] * 5, **hyper)
+    assert calls == [[torch.float32] * 3]
+    for (single_param, single_state), param, state in zip(singles, params, states):
+        assert torch.equal(param, single_param)
+        assert all(torch.equal(a, b) for a, b in zip(state, single_state))

@@ -563,12 +563,15 @@ _MULTI_MUTATED = (
 )  # fmt: skip
 
 
-def _step_each(lists: tuple[list[torch.Tensor], ...], steps: list[int], hyper: dict[str, Any]) -> None:
-    """`adamw8bit_step_multi` one parameter at a time (the per-tensor implementations)."""
+def _step_each(
+    lists: tuple[list[torch.Tensor], ...], steps: list[int], hyper: dict[str, Any], *, twins: bool = False
+) -> None:
+    """`adamw8bit_step_multi` one parameter at a time: the Triton kernel where it applies, else the torch
+    step (always the torch step with `twins`)."""
     residuals = bool(lists[6])
     for i, step in enumerate(steps):
         tensors = [lst[i] for lst in lists[:6]] + [lst[i] if residuals else None for lst in lists[6:]]
-        step_fn = adamw8bit_step_triton if use_triton(tensors[0]) else adamw8bit_step_torch
+        step_fn = adamw8bit_step_triton if not twins and use_triton(tensors[0]) else adamw8bit_step_torch
         step_fn(*tensors, step=step, **hyper)
 
 
@@ -592,27 +595,33 @@ def _adamw8bit_step_multi_op(
     weight_decay: float,
     block_size: int,
 ) -> None:
-    """The whole list in one C++ call where every parameter takes the C++ step, else per tensor."""
+    """The parameters that take the C++ step in one C++ call, the others one at a time."""
     lists = (
         params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
         exp_avg_residual_codes, exp_avg_residual_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
     )  # fmt: skip
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size)
-    if (
-        params
-        and _compile_enabled()
-        and all(_cpp_applies(p, g) for p, g in zip(params, grads))
-        # One list is all real or all fake tensors: the first pair tells.
-        and not _is_traced(params[0], grads[0])
-    ):
+    # One list is all real or all fake tensors: the first pair tells.
+    cpp = bool(params) and _compile_enabled() and not _is_traced(params[0], grads[0])
+    chosen = [i for i, (p, g) in enumerate(zip(params, grads)) if cpp and _cpp_applies(p, g)]
+    rest = range(len(params))
+    if chosen:
         per_step = {}
-        for step in set(steps):
+        for step in {steps[i] for i in chosen}:
             scalars = adam_step_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
             per_step[step] = [scalars[k] for k in _SCALARS[:-1]] + [eps]
-        rows = torch.tensor([per_step[step] for step in steps], dtype=torch.float32)
-        if _run_cpp(*lists, rows, *_cpp_books(), block_size):
-            return
-    _step_each(lists, steps, hyper)
+        rows = torch.tensor([per_step[steps[i]] for i in chosen], dtype=torch.float32)
+        if _run_cpp(*_pick(lists, chosen), rows, *_cpp_books(), block_size):
+            rest = sorted(set(rest) - set(chosen))
+    if len(rest) == len(params):
+        _step_each(lists, steps, hyper)
+    elif rest:
+        _step_each(_pick(lists, rest), [steps[i] for i in rest], hyper)
+
+
+def _pick(lists: tuple[list[torch.Tensor], ...], indices) -> tuple[list[torch.Tensor], ...]:
+    """Entries `indices` of each list (empty lists, the absent residuals, stay empty)."""
+    return tuple([lst[i] for i in indices] if lst else [] for lst in lists)
 
 
 @_adamw8bit_step_multi_op.register_fake
@@ -654,7 +663,7 @@ def adamw8bit_step_multi(
     columns += [[] for _ in range(8 - len(columns))]
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size)
     if KERNEL_DISPATCH.inline_twins:
-        _step_each((params, grads, *columns), steps, hyper)
+        _step_each((params, grads, *columns), steps, hyper, twins=True)
         return
     if count:
         torch.ops.hf_galore.adamw8bit_step_multi(params, grads, *columns, steps, **hyper)
