@@ -603,7 +603,8 @@ def _adamw8bit_step_multi_op(
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size)
     # One list is all real or all fake tensors: the first pair tells.
     cpp = bool(params) and _compile_enabled() and not _is_traced(params[0], grads[0])
-    chosen = [i for i, (p, g) in enumerate(zip(params, grads)) if cpp and _cpp_applies(p, g)]
+    # The Triton kernel where it applies (CUDA; the CPU under TRITON_INTERPRET=1), as for one parameter.
+    chosen = [i for i, (p, g) in enumerate(zip(params, grads)) if cpp and _cpp_applies(p, g) and not use_triton(p)]
     rest = range(len(params))
     if chosen:
         per_step = {}
