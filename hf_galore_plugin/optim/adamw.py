@@ -82,12 +82,21 @@ def _fusable(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp
     """Whether torch's fused AdamW kernel can step this fp32-state tensor: fp32 everywhere, dense
     contiguous CPU tensors (its step counters live on the CPU, as ours do). `HF_GALORE_FUSED_ADAMW=0`
     sends every tensor through `adamw_step_fp32` instead."""
+    # Plain `and`s, no generator: this runs once per parameter per step.
+    fp32 = torch.float32
     return (
         _FUSED_AVAILABLE
-        and os.environ.get("HF_GALORE_FUSED_ADAMW", "1") != "0"
         and param.device.type == "cpu"
-        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (param, grad, exp_avg, exp_avg_sq))
+        and param.dtype == fp32
+        and grad.dtype == fp32
+        and exp_avg.dtype == fp32
+        and exp_avg_sq.dtype == fp32
+        and param.is_contiguous()
+        and grad.is_contiguous()
+        and exp_avg.is_contiguous()
+        and exp_avg_sq.is_contiguous()
         and grad.device == param.device
+        and os.environ.get("HF_GALORE_FUSED_ADAMW", "1") != "0"
     )
 
 
