@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_galore_plugin.optim.adamw8bit import adamw8bit_step, adamw8bit_step_multi
+from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_multi
 
 __all__ = ["adamw_step_fp32", "adamw_step_8bit", "adamw_steps_8bit", "EIGHT_BIT_STATE_KEYS", "RESIDUAL_STATE_KEYS"]
 
@@ -73,13 +73,8 @@ def adamw_step_8bit(
     `state` holds local tensors: codes with the parameter's element count, scales with one fp32
     per block of `block_size` flattened values.
     """
-    flat, state_tensors = _flat_8bit(param, state, block_size)
-    adamw8bit_step(
-        flat, grad.contiguous().view(-1), *state_tensors,
-        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size,
-    )  # fmt: skip
-    if not param.is_contiguous():
-        param.copy_(flat.view(param.shape))
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size)
+    adamw_steps_8bit([param], [grad], [state], [step], **hyper)
 
 
 def adamw_steps_8bit(
