@@ -238,6 +238,13 @@ def _code_tables(device: torch.device) -> tuple[torch.Tensor, ...]:
     )  # fmt: skip
 
 
+def _scalar_row(step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
+    """The step's scalars in the order `_step_blocks` and the C++ step read them (`_SCALARS`)."""
+    scalars = adam_step_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    scalars["eps"] = eps
+    return [scalars[k] for k in _SCALARS]
+
+
 def _cpp_books() -> tuple[torch.Tensor, ...]:
     """The C++ step's tables: per book its code values and packed bucket table."""
     books = _code_tables(torch.device("cpu"))
@@ -392,10 +399,8 @@ def adamw8bit_step_torch(
     n = param.numel()
     if n == 0:
         return
-    s = adam_step_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-    s["eps"] = eps
     device = param.device
-    scalars = torch.tensor([s[k] for k in _SCALARS], dtype=torch.float32, device=device)
+    scalars = torch.tensor(_scalar_row(step, lr, beta1, beta2, eps, weight_decay), dtype=torch.float32, device=device)
     books = _code_tables(device)
     flat = (
         param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
@@ -601,22 +606,19 @@ def _adamw8bit_step_multi_op(
         exp_avg_residual_codes, exp_avg_residual_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
     )  # fmt: skip
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size)
-    # One list is all real or all fake tensors: the first pair tells.
-    cpp = bool(params) and _compile_enabled() and not _is_traced(params[0], grads[0])
-    # The Triton kernel where it applies (CUDA; the CPU under TRITON_INTERPRET=1), as for one parameter.
-    chosen = [i for i, (p, g) in enumerate(zip(params, grads)) if cpp and _cpp_applies(p, g) and not use_triton(p)]
-    rest = range(len(params))
+    # One list is all real or all fake tensors: the first pair tells. The Triton kernel keeps the
+    # parameters it applies to (CUDA; the CPU under TRITON_INTERPRET=1), as for one parameter.
+    chosen: list[int] = []
+    if params and _compile_enabled() and not _is_traced(params[0], grads[0]):
+        chosen = [i for i, (p, g) in enumerate(zip(params, grads)) if _cpp_applies(p, g) and not use_triton(p)]
+    done: set[int] = set()
     if chosen:
-        per_step = {}
-        for step in {steps[i] for i in chosen}:
-            scalars = adam_step_scalars(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-            per_step[step] = [scalars[k] for k in _SCALARS[:-1]] + [eps]
-        rows = torch.tensor([per_step[steps[i]] for i in chosen], dtype=torch.float32)
-        if _run_cpp(*_pick(lists, chosen), rows, *_cpp_books(), block_size):
-            rest = sorted(set(rest) - set(chosen))
-    if len(rest) == len(params):
-        _step_each(lists, steps, hyper)
-    elif rest:
+        rows = {step: _scalar_row(step, lr, beta1, beta2, eps, weight_decay) for step in {steps[i] for i in chosen}}
+        scalars = torch.tensor([rows[steps[i]] for i in chosen], dtype=torch.float32)
+        if _run_cpp(*_pick(lists, chosen), scalars, *_cpp_books(), block_size):
+            done = set(chosen)
+    rest = [i for i in range(len(params)) if i not in done]
+    if rest:
         _step_each(_pick(lists, rest), [steps[i] for i in rest], hyper)
 
 

@@ -96,7 +96,7 @@ def adamw_steps_8bit(
     for param, state in zip(params, states):
         flat, state_tensors = _flat_8bit(param, state, block_size)
         flats.append(flat)
-        state_lists.append(tuple(t for t in state_tensors if t is not None))
+        state_lists.append(state_tensors)
     adamw8bit_step_multi(
         flats, [_flat(grad.contiguous()) for grad in grads], state_lists,
         steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size,
@@ -108,21 +108,20 @@ def adamw_steps_8bit(
 
 def _flat_8bit(
     param: torch.Tensor, state: dict[str, torch.Tensor], block_size: int
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """The flat parameter (a contiguous copy where it is not contiguous) and its 8 state tensors in
-    the kernels' order (None for absent residuals), scales cut to the parameter's block count."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The flat parameter (a contiguous copy where it is not contiguous) and its 4 state tensors (8 with
+    error feedback) in the kernels' order, scales cut to the parameter's block count."""
     flat = _flat(param.contiguous())
     n_blocks = -(-flat.numel() // block_size)
     keys = EIGHT_BIT_STATE_KEYS + (RESIDUAL_STATE_KEYS if RESIDUAL_STATE_KEYS[0] in state else ())
-    tensors: list[torch.Tensor | None] = []
+    tensors = []
     for key in keys:
         tensor = _flat(state[key])
         # Scales may be longer than n_blocks (a DTensor shard pads to the largest shard's count).
         if key.endswith("scales") and tensor.numel() != n_blocks:
             tensor = tensor[:n_blocks]
         tensors.append(tensor)
-    tensors += [None] * (8 - len(tensors))
-    return flat, tensors
+    return flat, tuple(tensors)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
