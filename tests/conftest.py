@@ -1,12 +1,17 @@
 """Test-session setup.
 
-Triton kernels run on CPU only through the interpreter, and the variable must be set before
-any `@triton.jit` function is defined, so it is set here, before test modules import kernels.
+Triton kernels run on CPU only through Triton's interpreter, and Triton decides between interpreting
+and compiling a kernel when its `@triton.jit` runs, reading TRITON_INTERPRET then. The kernel modules
+are therefore imported here, once, with the variable set; then it is removed again, so that only the
+tests marked `triton` (the kernel tests, which turn the CPU route on for themselves through the
+`triton_kernels_on_cpu` fixture) pay for the interpreter, and every other test, and every process a
+test starts, runs the torch twins, the CPU path users get.
 """
 
 import os
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+_USER_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,12 +25,40 @@ def pytest_sessionstart(session):
 # ---------------------------------------------------------------------- shared helpers and fixtures
 import io  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from hf_galore_plugin.utils import KERNEL_DISPATCH, is_triton_available  # noqa: E402
+
+if sys.platform == "linux" and is_triton_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    import hf_galore_plugin.kernels.adamw8bit  # noqa: E402,F401
+    import hf_galore_plugin.kernels.quant  # noqa: E402,F401
+if _USER_INTERPRET is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = _USER_INTERPRET
+# `utils` read the variable at import, while it was set for the kernel modules: the default route is the twins.
+KERNEL_DISPATCH.triton_on_cpu = _USER_INTERPRET == "1"
+
+
+@pytest.fixture
+def triton_kernels_on_cpu(monkeypatch):
+    """Route CPU tensors through the Triton kernels (in the interpreter) until `monkeypatch` undoes it, in
+    this process and in the processes the test starts."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("HF_GALORE_DISABLE_TRITON", raising=False)
+    monkeypatch.setattr(KERNEL_DISPATCH, "triton_on_cpu", True)
+    monkeypatch.setattr(KERNEL_DISPATCH, "triton_disabled", False)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_tests_use_the_interpreter(request):
+    if request.node.get_closest_marker("triton") is not None:
+        request.getfixturevalue("triton_kernels_on_cpu")
 
 # The tiny Llama of the Trainer and engine tests; a test changes only what it needs (keyword overrides).
 TINY_LLAMA = dict(

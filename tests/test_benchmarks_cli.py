@@ -1,8 +1,8 @@
 """The benchmark entry points run end to end: benchmarks/quality.py --quick, benchmarks/finetune.py --quick,
 benchmarks/gpu_step.py on a tiny model, and benchmarks/gpu.sh's message without CUDA.
 
-Each runs in a subprocess with an environment without TRITON_INTERPRET (conftest sets it for the kernel
-tests; the benchmarks must run the torch twins on CPU, as a user's machine would).
+Each runs in a subprocess with an environment without TRITON_INTERPRET (the kernel tests set it for
+themselves): the benchmarks run the torch twins on CPU, as a user's machine would.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The demo and the two benchmarks run end to end (tiny settings) and their numbers say what they should.
 
 Each runs in a subprocess as a user would run it, with an environment without TRITON_INTERPRET (which
-conftest.py sets for the kernel tests): on CPU the kernels' torch twins run, as in the demo.
+the kernel tests set for themselves): on CPU the kernels' torch twins run, as in the demo.
 """
 
 from __future__ import annotations

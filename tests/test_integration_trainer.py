@@ -25,8 +25,8 @@ from conftest import use_torch_twins  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _torch_twins(monkeypatch):
-    # The Triton kernels are tested against their torch twins elsewhere; under TRITON_INTERPRET=1
-    # a Q-GaLore Trainer run takes ~2 min instead of ~10 s. The integration runs the twins.
+    # The Triton kernels are tested against their torch twins elsewhere; the integration runs the twins,
+    # also on a CUDA machine.
     use_torch_twins(monkeypatch)
 
 

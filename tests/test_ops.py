@@ -2,8 +2,8 @@
 
 Oracles: the real op's outputs (the fake registration must give their shapes and dtypes), and
 `torch.library.opcheck` (schema, fake, autograd registration and AOT dispatch against real runs).
-Each check runs with the Triton kernels (CPU under the interpreter, as conftest sets it) and with the
-torch twins (`KERNEL_DISPATCH.triton_disabled`), the two implementations an op dispatches to.
+Each check runs with the Triton kernels (CPU under the interpreter: conftest's `triton_kernels_on_cpu`) and
+with the torch twins (`KERNEL_DISPATCH.triton_disabled`), the two implementations an op dispatches to.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 @pytest.fixture(params=IMPLEMENTATIONS)
 def implementation(request, monkeypatch):
+    if not request.param:
+        request.getfixturevalue("triton_kernels_on_cpu")
     monkeypatch.setattr(KERNEL_DISPATCH, "triton_disabled", request.param)
     return request.param
 

@@ -24,8 +24,7 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
 @pytest.fixture(autouse=True)
 def _torch_twin_single_thread(monkeypatch):
-    # conftest turns the Triton interpreter on for CPU tensors; these tests exercise the twin
-    # (the CPU path users get) and would take minutes through the interpreter.
+    # These tests exercise the twin (the CPU path users get), also on a CUDA machine.
     use_torch_twins(monkeypatch)
     # These tensors are tiny (8192 values): one thread runs a 500-step training in ~2 s, while
     # two threads on a loaded 2-core machine took 9-20 s (measured), all in thread hand-offs.

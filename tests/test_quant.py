@@ -2,8 +2,7 @@
 bitsandbytes, and the QuantizedTensor contract (bounds, nbytes, state, pickling, errors).
 
 The Triton kernels are compared with these twins in test_quant_triton.py; here every public op
-is forced onto its torch twin (the test session runs with TRITON_INTERPRET=1, which would
-otherwise route CPU tensors through the slow interpreter).
+is forced onto its torch twin, also on a CUDA machine.
 """
 
 from __future__ import annotations

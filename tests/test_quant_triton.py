@@ -8,11 +8,7 @@ compared with the same tensor of randoms. Grids stay at a few programs (4096 val
 from __future__ import annotations
 
 import math
-import os
 import sys
-
-# Must precede the first `@triton.jit` of the kernels module (tests/conftest.py also sets it).
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

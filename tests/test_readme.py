@@ -40,7 +40,7 @@ def test_readme_has_the_snippets_we_run():
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_readme_python_snippet_runs(index, tmp_path, monkeypatch, tiny_llama):
     monkeypatch.chdir(tmp_path)
-    use_torch_twins(monkeypatch)  # torch twins: the interpreter would only be slow here
+    use_torch_twins(monkeypatch)  # the kernels are tested elsewhere
     # A snippet may set HF_GALORE_PLUGIN_NO_PATCH (read at import, already done here): undone after the test.
     monkeypatch.setenv("HF_GALORE_PLUGIN_NO_PATCH", "0")
     monkeypatch.delenv("HF_GALORE_PLUGIN_NO_PATCH")

@@ -27,8 +27,8 @@ TINY_CHUNK_MB = 10 / 1024  # 10 KiB of state per staging slot: ~1280 fp32-state 
 
 @pytest.fixture(autouse=True)
 def _torch_twins(monkeypatch):
-    # The 8-bit Triton kernel is tested against its torch twin elsewhere; through the interpreter
-    # these multi-step runs would take minutes. Chunking is independent of which kernel runs.
+    # The 8-bit Triton kernel is tested against its torch twin elsewhere; chunking is independent of
+    # which kernel runs.
     use_torch_twins(monkeypatch)
 
 
