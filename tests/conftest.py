@@ -60,6 +60,7 @@ def _kernel_tests_use_the_interpreter(request):
     if request.node.get_closest_marker("triton") is not None:
         request.getfixturevalue("triton_kernels_on_cpu")
 
+
 # The tiny Llama of the Trainer and engine tests; a test changes only what it needs (keyword overrides).
 TINY_LLAMA = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
