@@ -1,0 +1,235 @@
+"""The fixed cost of a training step: CPU time of one thread, dispatched aten ops and device syncs, per method.
+
+    python benchmarks/step_overhead.py            # tiny Llama (hidden 64, 4 layers: 28 GaLore layers), 1 x 32 tokens
+    python benchmarks/step_overhead.py --quick    # fewer rounds (CI smoke run)
+    python benchmarks/step_overhead.py --size h1024 --rank 256 --batch 4 --seq-len 256 --threads 2
+
+At small shapes a step is dominated by per-op, per-layer host work (Python, the dispatcher, kernel
+launches); on a GPU that host work is what the device waits for. Three measures that do not move with
+the load of a shared machine:
+
+- CPU time of the thread running the step (`time.thread_time`, torch on one thread by default), median
+  over rounds in which every method runs one step, the order rotating every round, each method's ratio
+  to fused AdamW over the same rounds;
+- aten ops dispatched per step that do work (counted with a TorchDispatchMode; views and metadata ops,
+  which launch nothing on a device, are not counted), in total and per GaLore layer beyond nn.Linear's;
+- device syncs per step: ops that read a tensor's value to the host (`_local_scalar_dense`, `item`,
+  `nonzero`, `is_nonzero`, `equal`).
+
+Every step is an ordinary one (no basis refresh): the models are built with a refresh gap longer than
+the run and stepped through their calibration before the timed rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+METHODS = ("adamw_fused", "galore_torch", "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+# The tiny Llama of the overhead table: 4 decoder layers of 7 linear maps each.
+TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=512)  # fmt: skip
+
+SYNC_OPS = frozenset(
+    getattr(torch.ops.aten, name) for name in ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal")
+)
+# Ops that only make or describe tensor metadata (no kernel on a device): not counted as work.
+METADATA_OPS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "empty", "empty_strided", "empty_like", "detach", "alias", "lift_fresh", "sym_size", "sym_stride",
+        "sym_numel", "sym_storage_offset", "is_same_size", "_unsafe_view", "_has_compatible_shallow_copy_type", "set_",
+        "_to_copy_meta", "resize_", "_reshape_alias", "result_type",
+    )
+    if hasattr(torch.ops.aten, name)
+)  # fmt: skip
+
+
+def _is_view(func: Any) -> bool:
+    """An op whose outputs alias an input without writing it (view, reshape-as-view, transpose, ...)."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it: `work` (not views, not metadata), `syncs` (host reads of
+    device values, see SYNC_OPS) and `names` (a Counter of the counted ops' names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work = 0
+        self.syncs = 0
+        self.names: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        if packet in SYNC_OPS:
+            self.syncs += 1
+        if packet not in METADATA_OPS and not _is_view(func):
+            self.work += 1
+            self.names[str(packet).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build_model(size: dict[str, int], *, seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**size, max_position_embeddings=2048, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+class Runner:
+    """One model, its optimizer and one full training step (forward, backward, optimizer step, after_step
+    for ours, zero_grad)."""
+
+    def __init__(self, method: str, size: dict[str, int], rank: int) -> None:
+        import hf_galore_plugin as hgp
+
+        self.method = method
+        self.model = build_model(size)
+        self.after: Callable[[], None] = lambda: None
+        params = list(self.model.parameters())
+        if method == "adamw_fused":
+            self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        elif method == "galore_torch":
+            from galore_torch import GaLoreAdamW
+
+            matrices = [m.weight for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)]
+            matrices = [p for p in matrices if p is not self.model.lm_head.weight]
+            ids = {id(p) for p in matrices}
+            groups = [
+                {"params": [p for p in params if id(p) not in ids]},
+                {"params": matrices, "rank": rank, "update_proj_gap": 10**9, "scale": 0.25, "proj_type": "std"},
+            ]
+            self.optimizer = GaLoreAdamW(groups, lr=1e-3)
+        elif method in OURS:
+            config = hgp.GaLoreConfig.preset(method, rank=rank, update_proj_gap=10**6)
+            hgp.prepare_model(self.model, config)
+            self.optimizer = hgp.create_optimizer(self.model, lr=1e-3)
+            model, optimizer = self.model, self.optimizer
+            self.after = lambda: hgp.after_step(model, optimizer)
+        else:
+            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        self.galore_layers = sum(type(m).__name__ == "GaLoreLinear" for m in self.model.modules())
+        self.linear_layers = sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())
+
+    def step(self, tokens: torch.Tensor) -> None:
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        self.optimizer.step()
+        self.after()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    size = dict(TINY)
+    if args.size == "h1024":
+        size = dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=4, num_attention_heads=16,
+                    num_key_value_heads=16, vocab_size=30000)  # fmt: skip
+    if args.vocab:
+        size["vocab_size"] = args.vocab
+    tokens = torch.randint(0, size["vocab_size"], (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
+    runners = [Runner(method, size, args.rank) for method in args.methods]
+    for runner in runners:  # calibration (the first basis) and warm-up
+        for _ in range(3):
+            runner.step(tokens)
+    counts = {}
+    for runner in runners:
+        with OpCount() as mode:
+            runner.step(tokens)
+        counts[runner.method] = mode
+    times: dict[str, list[float]] = {r.method: [] for r in runners}
+    wall: dict[str, list[float]] = {r.method: [] for r in runners}
+    for round_ in range(args.rounds):
+        shift = round_ % len(runners)
+        for runner in runners[shift:] + runners[:shift]:
+            t0, w0 = time.thread_time(), time.perf_counter()
+            runner.step(tokens)
+            times[runner.method].append(time.thread_time() - t0)
+            wall[runner.method].append(time.perf_counter() - w0)
+    base = runners[0].method
+    rows = {}
+    linear_work = None
+    for runner in runners:
+        mode = counts[runner.method]
+        rows[runner.method] = {
+            "cpu_ms": 1e3 * statistics.median(times[runner.method]),
+            "wall_ms": 1e3 * statistics.median(wall[runner.method]),
+            "ops": mode.work,
+            "syncs": mode.syncs,
+            "galore_layers": runner.galore_layers,
+            "top_ops": dict(mode.names.most_common(12)),
+        }
+        if runner.method == base:
+            linear_work = mode.work
+    for method, row in rows.items():
+        row["vs_base_cpu"] = row["cpu_ms"] / rows[base]["cpu_ms"]
+        row["vs_base_wall"] = row["wall_ms"] / rows[base]["wall_ms"]
+        layers = row["galore_layers"]
+        row["extra_ops_per_layer"] = (row["ops"] - linear_work) / layers if layers else None
+    return {
+        "size": size, "rank": args.rank, "batch": args.batch, "seq_len": args.seq_len, "threads": args.threads,
+        "rounds": args.rounds, "baseline": base, "torch": torch.__version__, "rows": rows,
+    }  # fmt: skip
+
+
+def report(result: dict[str, Any]) -> str:
+    size = result["size"]
+    lines = [
+        f"hidden {size['hidden_size']}, {size['num_hidden_layers']} layers, vocab {size['vocab_size']}, rank "
+        f"{result['rank']}, batch {result['batch']} x {result['seq_len']}, {result['threads']} thread(s), "
+        f"{result['rounds']} interleaved rounds, torch {result['torch']}; ratios to {result['baseline']}",
+        "",
+        "| method | step, CPU ms | vs base (CPU) | vs base (wall) | aten ops / step | extra ops / GaLore layer "
+        "| syncs / step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method, row in result["rows"].items():
+        extra = "" if row["extra_ops_per_layer"] is None else f"{row['extra_ops_per_layer']:.1f}"
+        lines.append(
+            f"| `{method}` | {row['cpu_ms']:.1f} | {row['vs_base_cpu']:.2f}x | {row['vs_base_wall']:.2f}x | "
+            f"{row['ops']} | {extra} | {row['syncs']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="5 rounds (CI smoke run)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="methods, the first is the baseline of the ratios (default: all, fused AdamW first)")  # fmt: skip
+    parser.add_argument("--size", choices=("tiny", "h1024"), default="tiny")
+    parser.add_argument("--vocab", type=int, help="vocabulary size (default: the size's)")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--out", type=pathlib.Path, help="also write the result as JSON here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 5
+    result = measure(args)
+    text = report(result)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
