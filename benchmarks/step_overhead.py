@@ -141,7 +141,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     num_key_value_heads=16, vocab_size=30000)  # fmt: skip
     if args.vocab:
         size["vocab_size"] = args.vocab
-    tokens = torch.randint(0, size["vocab_size"], (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, size["vocab_size"], (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)
+    )
     runners = [Runner(method, size, args.rank) for method in args.methods]
     for runner in runners:  # calibration (the first basis) and warm-up
         for _ in range(3):
@@ -175,7 +177,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
         if runner.method == base:
             linear_work = mode.work
-    for method, row in rows.items():
+    for row in rows.values():
         row["vs_base_cpu"] = row["cpu_ms"] / rows[base]["cpu_ms"]
         row["vs_base_wall"] = row["wall_ms"] / rows[base]["wall_ms"]
         layers = row["galore_layers"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -27,6 +28,8 @@ from .engines.contract import gathers_parameters
 from .engines.fsdp1 import check_fsdp1_layers, fsdp1_units, group_by_unit, had_gradient, summon_unit
 from .inject import galore_state_per_layer, iter_galore_layers, iter_galore_layers_by_key, replace_targets, unload
 from .layers import GaLoreLinear
+from .layers.linear import scale_bases
+from .layers.schedule import StepClock
 
 __all__ = [
     "prepare_model",
@@ -138,10 +141,14 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
             if not wd:
                 continue
             if layers is None:
-                layers = dict(iter_galore_layers(model))
+                # The step driver's list when it has one (no walk over the model's modules at every step).
+                driver = _DRIVERS.get(model)
+                fresh = driver is not None and driver.generation == StepClock.generation
+                layers = dict(driver.layers if fresh else iter_galore_layers(model))  # type: ignore[union-attr]
                 by_factor = {id(layer.galore_factor): layer for layer in layers.values()}
             factor = 1.0 - float(group["lr"]) * wd
             owned = [(p, by_factor.get(id(p))) for p in group["params"]]
+            decayed: list[GaLoreLinear] = []
             if any(layer is not None for _, layer in owned):
                 for p, layer in owned:
                     if layer is None:
@@ -153,12 +160,13 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
                             units = fsdp1_units(model)
                         if not had_gradient(p, units):
                             continue
-                    layer.base_multiplier.mul_(factor)
+                    decayed.append(layer)
             else:
                 for name in group.get("galore_layers", ()):
                     if name not in layers:
                         raise RuntimeError(f"{_STEP_AFTER_UNLOAD} (GaLore layer {name!r} is no longer in the model)")
-                    layers[name].base_multiplier.mul_(factor)
+                    decayed.append(layers[name])
+            scale_bases(decayed, factor)
 
     return optimizer.register_step_post_hook(hook)
 
@@ -297,9 +305,14 @@ def after_step(
     that layer is done (a progress bar over a long refresh).
     Returns ``{"refreshed": [layer names], "similarity": mean similarity or None}``.
     """
-    layers = list(iter_galore_layers(model))
-    for _, layer in layers:
-        layer._galore_driven = True
+    driver = _driver_of(model)
+    clock = driver.clock
+    if clock.step + 1 < driver.next_due and clock.edits == driver.edits:
+        # An ordinary step, followed by another: no layer is due now or at the next step (the earliest due
+        # step is known), so nothing but the clock moves and every layer's refresh_due stays False.
+        clock.step += 1
+        return {"refreshed": [], "similarity": None}
+    layers = driver.layers
     if layers and optimizer is not None:
         _warn_lr_scale_not_applied(layers[0][1].config, optimizer)
     stepped: dict[str, tuple[bool, Optional[float]]] = {}
@@ -328,10 +341,66 @@ def after_step(
             refreshed.append(name)
             if not math.isnan(similarity):
                 similarities.append(similarity)
+    clock.step += 1
+    for _, layer in layers:
+        layer._update_refresh_due()  # for the new step, here rather than in the (possibly compiled) forward
+    driver.schedule()
     return {
         "refreshed": refreshed,
         "similarity": sum(similarities) / len(similarities) if similarities else None,
     }
+
+
+def refreshes_due(model: nn.Module) -> int:
+    """How many GaLore layers of `model` refresh at the coming :func:`after_step` (no per-layer work on an
+    ordinary step)."""
+    driver = _driver_of(model)
+    if driver.clock.step < driver.next_due and driver.clock.edits == driver.edits:
+        return 0
+    return sum(1 for _, layer in driver.layers if layer.refresh_due)
+
+
+class _Driver:
+    """What :func:`after_step` keeps of a model between steps: its GaLore layers, the clock they share, and
+    the clock step at which the next of them is due."""
+
+    __slots__ = ("clock", "edits", "generation", "layers", "next_due", "__weakref__")
+
+    def __init__(self, layers: list[tuple[str, GaLoreLinear]]) -> None:
+        self.layers = layers
+        self.generation = StepClock.generation
+        self.clock = StepClock(shared=True)
+        for _, layer in layers:
+            layer.use_clock(self.clock)
+            layer._galore_driven = True
+        self.schedule()
+
+    def schedule(self) -> None:
+        """The clock step at which the first layer is due (far away when none ever is), as of now."""
+        clock = self.clock
+        soonest = 1 << 62
+        for _, layer in self.layers:
+            due = layer.next_refresh_step()
+            if due is not None:
+                soonest = min(soonest, clock.step + due - layer.counter("galore_step"))
+        self.next_due, self.edits = soonest, clock.edits
+
+
+# model -> its _Driver; weak, so a dropped model takes its entry with it. Rebuilt when a GaLore layer was
+# built or a module swapped anywhere since (StepClock.generation), or when a layer of the cached list has
+# left the shared clock (a layer moved between models).
+_DRIVERS: "weakref.WeakKeyDictionary[nn.Module, _Driver]" = weakref.WeakKeyDictionary()
+
+
+def _driver_of(model: nn.Module) -> _Driver:
+    driver = _DRIVERS.get(model)
+    if (
+        driver is None
+        or driver.generation != StepClock.generation
+        or any(layer._clock is not driver.clock for _, layer in driver.layers[:1])
+    ):
+        driver = _DRIVERS[model] = _Driver(list(iter_galore_layers(model)))
+    return driver
 
 
 _STEP_AFTER_UNLOAD = (

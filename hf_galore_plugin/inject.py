@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from .config import GaLoreConfig
-from .layers import GaLoreLinear, assign_refresh_phases
+from .layers import GaLoreLinear
+from .layers.schedule import StepClock, assign_refresh_phases
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +260,7 @@ def swap_submodule(model: nn.Module, name: str, module: nn.Module) -> tuple[nn.M
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
+    StepClock.generation += 1  # step drivers re-read the model's layers
     return parent, child
 
 

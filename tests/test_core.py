@@ -66,7 +66,7 @@ def test_forward_and_gradients_match_dense_linear(proj_type, shape):
             layer._set_basis(side, torch.linalg.qr(torch.randn(dim, 4))[0])
     with torch.no_grad():
         layer.galore_factor.normal_()
-        layer.base_multiplier.fill_(0.9)
+        layer.scale_base(0.9)
         eff = layer.effective_weight()
         dense.weight.copy_(eff)
     x = torch.randn(3, 5, n, requires_grad=True)

@@ -92,7 +92,8 @@ def _train(model, optimizer, steps: int, *, seed: int) -> list[list[bool]]:
 
 
 def _counters_from_buffers(layer) -> dict[str, int]:
-    return {name: int(getattr(layer, name)) for name in COUNTER_NAMES}
+    saved = layer.state_dict()  # the buffers as a checkpoint holds them
+    return {name: int(saved[name]) for name in COUNTER_NAMES}
 
 
 # Lazy refresh with a window of 1 grows the gap at every agreeing refresh: every counter moves.

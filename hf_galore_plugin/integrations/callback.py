@@ -42,7 +42,7 @@ from transformers import TrainerCallback
 # transformers' tqdm (tqdm is its dependency, not ours), which honours its disable_progress_bar() switch.
 from transformers.utils.logging import tqdm
 
-from ..api import after_step, galore_layers, galore_stats
+from ..api import after_step, galore_layers, galore_stats, refreshes_due
 
 from ..config import GaLoreConfig
 
@@ -261,7 +261,7 @@ class GaLoreCallback(TrainerCallback):
                 layer.discard_recorded_gradient()
             return
         step_optimizer = self._engine_optimizer if self._engine_optimizer is not None else unwrap_optimizer(optimizer)
-        due = sum(1 for _, layer in galore_layers(prepared) if layer.refresh_due)
+        due = refreshes_due(prepared)
         if not due:
             after_step(prepared, step_optimizer, root=model)
             return

@@ -1,122 +1,104 @@
-"""The per-step code of a GaLore layer: its autograd function and the low-rank matmuls.
+"""The per-step code of a GaLore layer: its forward, written so that autograd derives the backward.
 
-    y = alpha * x W0^T + scale * lowrank(x) + bias,   lowrank(x) = x Q B^T P^T (P, Q: the bases, if any)
+    y = alpha * x W0^T + x Q (scale B)^T P^T + bias      (P, Q: the bases, each left out where there is none)
 
-The backward skips the weight GEMM of the frozen W0 and computes only dX and dB = scale * P^T G Q,
-right-to-left so that no m x n tensor is formed; on a refresh step it also hands dy and x to the
-layer's recorder. Everything here runs on every training step: it reads the layer's tensors
-directly (``base_weight``, ``basis``, ``base_multiplier``) and adds no Python layers of its own.
+Everything here runs on every training step of every layer, so it is written in launches and in host
+work, the two fixed costs a GPU waits for:
+
+- The forward is the thin GEMMs of the low-rank branch and one ``addmm`` that forms ``alpha * x W0^T``
+  and adds the branch (no pass over the activations for alpha, scale or the sum); scale is applied to
+  the small factor B instead (``scale * B``, r x m values, not N x m).
+- The backward is autograd's own (C++, no Python per layer): W0 does not require a gradient, so the
+  weight GEMM of W0 is skipped and no m x n tensor is formed; dB = scale * (dy P)^T (x Q) comes from the
+  branch's GEMMs, and ``x Q`` (N x r) is what autograd saves for it.
+- A quantized W0 goes through :class:`DequantizedBaseLinear`, whose backward dequantizes W0 again
+  rather than keeping the m x n copy from the forward (which would cost what quantizing saved).
+
+Rounding: ``scale * B`` is rounded once in B's dtype (exact for the power-of-two scales of the presets),
+and alpha and the addition of the branch happen inside the GEMM; the result stays within the dense
+reference's tolerances (tests/test_core.py, tests/test_layer_function.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["GaLoreLinearFunction", "lowrank_backward_factor", "lowrank_backward_input", "lowrank_forward"]
+__all__ = ["DequantizedBaseLinear", "galore_linear"]
 
-
-def lowrank_forward(
-    x: torch.Tensor, factor: torch.Tensor, p: Optional[torch.Tensor], q: Optional[torch.Tensor], scale: float
-) -> torch.Tensor:
-    """scale * x Q B^T P^T (each basis left out where it is None)."""
-    h = x if q is None else x @ q
-    h = h @ factor.to(x.dtype).mT
-    if p is not None:
-        h = h @ p.mT
-    return h * scale
+# The ``input`` of an addmm with beta=0: BLAS ignores it, broadcasting needs only a 0-d tensor. One per
+# (device, dtype), made once, so a GEMM scaled by alpha allocates no zeros.
+_ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def lowrank_backward_input(
-    dy: torch.Tensor, factor: torch.Tensor, p: Optional[torch.Tensor], q: Optional[torch.Tensor], scale: float
-) -> torch.Tensor:
-    """The low-rank branch's part of dX: scale * dy P B Q^T."""
-    h = dy if p is None else dy @ p
-    h = h @ factor.to(dy.dtype)
-    if q is not None:
-        h = h @ q.mT
-    return h * scale
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    key = (like.device, like.dtype)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+    return zero
 
 
-def lowrank_backward_factor(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    p: Optional[torch.Tensor],
-    q: Optional[torch.Tensor],
-    scale: float,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """dB = scale * P^T G Q in `dtype` with G = dy^T x, evaluated right-to-left so no m x n tensor is formed
-    (dy: N x m, x: N x n)."""
-    a = dy if p is None else dy @ p  # (N, r_left or m)
-    b = x if q is None else x @ q  # (N, r_right or n)
-    return (a.mT @ b).to(dtype) * scale
-
-
-class GaLoreLinearFunction(torch.autograd.Function):
-    """y = alpha * x W0^T + scale * lowrank(x) + bias, with the W0 weight-gradient GEMM skipped.
-
-    `layer` is the :class:`~hf_galore_plugin.layers.GaLoreLinear` whose tensors these are.
-    """
+class DequantizedBaseLinear(torch.autograd.Function):
+    """``h + alpha * x W0^T`` for a W0 stored quantized: `read(dtype)` dequantizes it, in the forward and
+    again in the backward. `x`: N x n, `h`: N x m (the low-rank branch, which fixes the compute dtype)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: torch.Tensor, bias: Optional[torch.Tensor], layer: Any):
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            # Mixed precision: compute in the autocast dtype, as nn.Linear would; backward (which runs
-            # outside autocast) then sees the same dtype.
-            x = x.to(torch.get_autocast_dtype(device_type))
-        with torch.autocast(device_type, enabled=False):
-            return GaLoreLinearFunction._forward(ctx, x, factor, bias, layer)
-
-    @staticmethod
-    def _forward(ctx, x, factor, bias, layer):
-        base = layer.base_weight(x.dtype)
-        y = F.linear(x, base)
-        del base  # a dequantized int8/NF4 copy is freed here, one layer at a time
-        y = y * layer.base_multiplier.to(y.dtype)
-        y = y + lowrank_forward(
-            x, factor, layer.basis("left", x.dtype), layer.basis("right", x.dtype), layer.config.scale
-        )
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        ctx.layer = layer
-        ctx.has_bias = bias is not None
-        # Read here, as a Python bool kept up to date outside the step, so torch.compile traces the
-        # backward without a tensor-to-Python sync (the flag cannot change between forward and backward).
-        ctx.record = layer.refresh_due
-        ctx.save_for_backward(x, factor)
+    def forward(ctx: Any, x: torch.Tensor, h: torch.Tensor, read: Callable[[torch.dtype], torch.Tensor], alpha: float):
+        dtype = h.dtype
+        base = read(dtype)
+        y = torch.addmm(h, x.to(dtype), base.mT, alpha=alpha)
+        del base  # freed here, one layer at a time
+        ctx.read, ctx.alpha = read, alpha
         return y
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, factor = ctx.saved_tensors
-        layer = ctx.layer
-        grad_x = grad_factor = grad_bias = None
-        dy = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        scale = layer.config.scale
-        # The bases are read (dequantized, for INT4/INT8 storage) once for both low-rank terms, and freed
-        # before W0 is: no basis copy is alive next to the W0 copy, and the W0 term is formed in place so
-        # that W0, the low-rank term and dX are the most that is alive at once.
-        p, q = layer.basis("left", dy.dtype), layer.basis("right", dy.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_factor = lowrank_backward_factor(dy, x2, p, q, scale, layer.galore_factor.dtype)
+    def backward(ctx: Any, dy: torch.Tensor):
+        grad_x = None
         if ctx.needs_input_grad[0]:
-            lowrank = lowrank_backward_input(grad_out, factor, p, q, scale)
-            del p, q
-            base = layer.base_weight(grad_out.dtype)
-            grad_x = grad_out @ base
-            del base
-            grad_x.mul_(layer.base_multiplier.to(grad_out.dtype))
-            grad_x.add_(lowrank)
-            del lowrank
-        else:
-            del p, q
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = dy.sum(0)
-        if ctx.record:
-            layer._record_gradient(dy, x2)
-        return grad_x, grad_factor, grad_bias, None
+            base = ctx.read(dy.dtype)
+            grad_x = torch.addmm(_zero(dy), dy, base, beta=0, alpha=ctx.alpha)
+        return grad_x, dy, None, None
+
+
+def galore_linear(
+    x: torch.Tensor,
+    factor: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    read_weight: Callable[[torch.dtype], torch.Tensor],
+    p: Optional[torch.Tensor],
+    q: Optional[torch.Tensor],
+    alpha: float | torch.Tensor,
+    scale: float,
+    record: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+) -> torch.Tensor:
+    """One GaLore layer's output for input `x` (..., n).
+
+    `factor` is B (trainable); `weight` is W0 when it is a plain tensor (None: stored quantized, read with
+    `read_weight(dtype)`); the bases `p` (m x r) and `q` (n x r) are in the compute dtype, or None;
+    `alpha` and `scale` are Python floats (`alpha` a 0-d tensor in traced code). `record`, given on a step that records a refresh, is called
+    with (dy, x) as 2-D tensors when the output's gradient arrives.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    h = x2 if q is None else x2 @ q
+    scaled = (factor * scale).mT
+    if p is not None:
+        h, last = h @ scaled, p.mT
+    else:
+        last = scaled
+    # The bias enters the branch's last GEMM (in the compute dtype under autocast, as in nn.Linear).
+    h = h @ last if bias is None else torch.addmm(bias, h, last)
+    if isinstance(alpha, torch.Tensor):
+        # Traced (torch.compile): the multiplier as a tensor, a graph input rather than a constant to
+        # specialise on; the compiler fuses the scaling.
+        base = weight if weight is not None else read_weight(h.dtype)
+        y = torch.addmm(h, x2 * alpha.to(x2.dtype), base.mT)
+    elif weight is not None:
+        y = torch.addmm(h, x2, weight.mT, alpha=alpha)
+    else:
+        y = DequantizedBaseLinear.apply(x2, h, read_weight, alpha)
+    if record is not None and y.requires_grad:
+        y.register_hook(lambda dy: record(dy, x2))
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -25,6 +25,7 @@ factor's optimizer state is reset so step 1 is Adam's first real step.
 from __future__ import annotations
 
 import math
+import struct
 import warnings
 from typing import Optional
 
@@ -38,7 +39,8 @@ from ..engines.collectives import is_dtensor as _is_dtensor
 from ..projection import resolve_sides
 from . import refresh as _refresh_mod
 from . import schedule as _schedule
-from .function import GaLoreLinearFunction
+from .function import galore_linear
+from .schedule import StepClock
 from .storage import StoredTensor
 
 try:
@@ -47,6 +49,33 @@ except ImportError:  # torch built without distributed support
     DTensor = None
 
 __all__ = ["GaLoreLinear"]
+
+
+def _write_lazy_buffers(layer: "GaLoreLinear", prefix: str, keep_vars: bool) -> None:
+    # state_dict pre-hook: the buffers of galore_step and base_multiplier are written when they are read
+    # out (every save path calls state_dict(): torch, the engines, the Trainer integration).
+    step = layer.counter("galore_step")
+    layer.galore_step.fill_(step)
+    layer._step_written = step
+
+
+def scale_bases(layers: "list[GaLoreLinear]", factor: float) -> None:
+    """alpha *= `factor` for every layer of `layers` (decoupled weight decay of the frozen W0s): the buffers in
+    one multi-tensor kernel, and the host copies computed as a float32 ``mul_`` computes (the scalar rounded
+    to fp32, then the product)."""
+    if not layers:
+        return
+    torch._foreach_mul_([layer.base_multiplier for layer in layers], factor)
+    factor32 = _round_fp32(factor)
+    for layer in layers:
+        layer._alpha = _round_fp32(layer._alpha * factor32)
+
+
+def _round_fp32(value: float) -> float:
+    """`value` rounded to the nearest fp32 (the product of two fp32 numbers is exact in a double, so this is
+    the fp32 product, as a float32 buffer's ``mul_`` computes it)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
 
 # The schedule counters: int64 scalar buffers (so they travel with every state dict and engine
 # checkpoint) with a host copy each in ``GaLoreLinear._counts``, which every read in the step path uses.
@@ -164,6 +193,9 @@ class GaLoreLinear(nn.Module):
         }
 
         self.register_buffer("base_multiplier", buf(1.0, torch.float32))
+        # The value of base_multiplier, on the host: the eager forward passes it to its GEMM (a compiled
+        # forward reads the buffer, so that it does not specialise on a value that moves every step).
+        self._alpha = 1.0
         # Registered in this order (the state-dict layout of checkpoints).
         self.register_buffer("galore_step", buf(self._counts["galore_step"], torch.int64))
         self.register_buffer("galore_last_refresh", buf(self._counts["galore_last_refresh"], torch.int64))
@@ -192,6 +224,15 @@ class GaLoreLinear(nn.Module):
         # A new layer has no basis yet: it records on its first step (known without reading a buffer,
         # which on the meta device would fail).
         self._refresh_due_cache: Optional[bool] = self.needs_basis
+        # galore_step advances with a StepClock: the layer's own, or its model's, shared by every layer of the
+        # model (api.after_step ticks it once a step, with no per-layer work on an ordinary step). The host
+        # copy _counts["galore_step"] holds the value at clock step _clock_mark; the buffer is written when
+        # it is read out (state_dict, a refresh), not at every step.
+        self._clock = StepClock()
+        self._clock_mark = 0
+        self._step_written = 0  # the value last written to the galore_step buffer
+        StepClock.generation += 1
+        self.register_state_dict_pre_hook(_write_lazy_buffers)
 
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()
@@ -206,7 +247,7 @@ class GaLoreLinear(nn.Module):
         ):
             if rank is not None and not identity:
                 self._set_basis(side, torch.zeros(dim, rank, device=self.galore_factor.device, dtype=torch.float32))
-        self.base_multiplier.fill_(1.0)
+        self._reset_base()
         self._set_counter("galore_step", 0)
         self._set_counter("galore_last_refresh", -1)
         self._set_counter("galore_num_refreshes", 0)
@@ -217,7 +258,7 @@ class GaLoreLinear(nn.Module):
         self._set_counter("galore_rng_counter", 0)
         self._set_counter("galore_phase", self._phase)
         self._pending_grad = None
-        self._refresh_due_cache = self.needs_basis and self._phase == 0
+        self._update_refresh_due()
         self._built_on_meta = False
 
     @torch.no_grad()
@@ -239,6 +280,8 @@ class GaLoreLinear(nn.Module):
     def counter(self, name: str) -> int:
         """The value of the counter buffer `name` (one of :data:`COUNTER_NAMES`) from its host copy: no
         device sync."""
+        if name == "galore_step":
+            return self._counts[name] + self._clock.step - self._clock_mark
         try:
             return self._counts[name]
         except KeyError:
@@ -249,10 +292,16 @@ class GaLoreLinear(nn.Module):
         value = int(value)
         getattr(self, name).fill_(value)
         self._counts[name] = value
+        self._clock.edits += 1
+        self._refresh_due_cache = None
+        if name == "galore_step":
+            self._clock_mark, self._step_written = self._clock.step, value
 
     def _add_counter(self, name: str, delta: int = 1) -> None:
         getattr(self, name).add_(delta)
         self._counts[name] += delta
+        self._clock.edits += 1
+        self._refresh_due_cache = None
 
     def _counter_buffers(self) -> list[torch.Tensor]:
         buffers = []
@@ -267,11 +316,18 @@ class GaLoreLinear(nn.Module):
             buffers.append(value)
         return buffers
 
-    @torch.no_grad()
     def sync_counters(self) -> None:
         """Re-read the host copies of the counters from the buffers (one device sync) and re-evaluate
         ``refresh_due``. ``load_state_dict`` does it; call it after writing a counter buffer directly.
-        Buffers on the meta device or fake tensors hold no values: the host copies are kept then."""
+        Buffers on the meta device or fake tensors hold no values: the host copies are kept then.
+
+        ``galore_step``'s buffer is written when the layer's state is read out (``state_dict()``, a
+        refresh), not at every step: here it is taken only if it holds another value than the layer last
+        wrote to it (a direct write); a load always takes it."""
+        self._read_counter_buffers(loaded=False)
+
+    @torch.no_grad()
+    def _read_counter_buffers(self, *, loaded: bool) -> None:
         buffers = self._counter_buffers()
         # Meta and fake tensors (the memory planner's trace) hold no values to read.
         if not any(value.is_meta or is_fake(value) for value in buffers):
@@ -279,13 +335,20 @@ class GaLoreLinear(nn.Module):
             stacked = torch.stack(
                 [value.detach().reshape(()).to(device=device, dtype=torch.int64) for value in buffers]
             )
-            self._counts = dict(zip(COUNTER_NAMES, stacked.tolist()))
+            values = dict(zip(COUNTER_NAMES, stacked.tolist()))
+            if not loaded and values["galore_step"] == self._step_written:
+                values["galore_step"] = self.counter("galore_step")
+            self._counts = values
+            self._step_written = values["galore_step"] if loaded else self._step_written
+            self._clock_mark = self._clock.step
+            self._clock.edits += 1
+            self._alpha = float(self.base_multiplier.detach().reshape(()).item())
         self._update_refresh_due()
 
     def _adopt_counter_writes(self) -> None:
         """Called where the device syncs anyway (a refresh): take counter values written to the buffers
         without :meth:`sync_counters`, and say so (decisions since that write used the old values)."""
-        before = dict(self._counts)
+        before = {name: self.counter(name) for name in COUNTER_NAMES}
         self.sync_counters()
         changed = [
             f"{name} {before[name]} -> {self._counts[name]}"
@@ -386,13 +449,13 @@ class GaLoreLinear(nn.Module):
         dtype = dtype or torch.float32
         if _is_dtensor(self.weight):
             w = self.weight
-            local = w.to_local().to(torch.float32) * self.base_multiplier + self._local_lowrank_delta(w)
+            local = w.to_local().to(torch.float32) * self._alpha + self._local_lowrank_delta(w)
             return DTensor.from_local(
                 local.to(dtype), w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
             )
         # A fresh tensor (the product), so the delta is added in place: the same sum, one m x n fp32
         # temporary fewer at a refresh's fold (the peak of a refresh step with a quantized W0).
-        w = self.base_weight(torch.float32) * self.base_multiplier
+        w = self.base_weight(torch.float32) * self._alpha
         w.add_(self.lowrank_delta(torch.float32))
         return w.to(dtype)
 
@@ -409,7 +472,39 @@ class GaLoreLinear(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return GaLoreLinearFunction.apply(x, self.galore_factor, self.bias, self)
+        device_type = x.device.type
+        alpha = self.base_multiplier if torch.compiler.is_compiling() else self._alpha
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        left, right = self._bases["left"], self._bases["right"]
+        return galore_linear(
+            x,
+            self.galore_factor,
+            self.bias,
+            self.weight,
+            self._weight_value,
+            None if left is None else left.value(dtype),
+            None if right is None else right.value(dtype),
+            alpha,
+            self.config.scale,
+            self._record_gradient if self.refresh_due else None,
+        )
+
+    def _weight_value(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._weight_store.value(dtype)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ the decay multiplier alpha
+    def scale_base(self, factor: float) -> None:
+        """alpha *= `factor` (decoupled weight decay of the frozen W0); :func:`scale_bases` for many layers."""
+        scale_bases([self], factor)
+
+    def _reset_base(self) -> None:
+        self.base_multiplier.fill_(1.0)
+        self._alpha = 1.0
+
+    @property
+    def alpha(self) -> float:
+        """The decay multiplier of W0 (the value of the buffer ``base_multiplier``, read without a sync)."""
+        return self._alpha
 
     def extra_repr(self) -> str:
         sides = []
@@ -442,10 +537,18 @@ class GaLoreLinear(nn.Module):
         """
         if self._refresh_due_cache is None:
             self._update_refresh_due()
-        return self._refresh_due_cache
+        return self._refresh_due_cache  # type: ignore[return-value]
 
     def _update_refresh_due(self) -> None:
+        # A Python bool, read in every forward (a compiled forward guards on it, not on the step count): the
+        # layer re-evaluates it when its own clock ticks; a model's step driver invalidates it on the steps
+        # where a layer of the model may change between due and not due (api.after_step).
         self._refresh_due_cache = _schedule.compute_refresh_due(self)
+
+    def next_refresh_step(self) -> Optional[int]:
+        """The first value of ``galore_step``, from the current one on, at which the layer is due (None:
+        never, it has no basis); :func:`~.schedule.next_refresh_step`."""
+        return _schedule.next_refresh_step(self)
 
     def _basis_sides(self) -> list[tuple[str, int]]:
         """(side, rank) of every side with a computed (non-identity) basis."""
@@ -477,7 +580,8 @@ class GaLoreLinear(nn.Module):
         Returns the subspace similarity of a refresh (NaN for the first basis), or None.
         """
         similarity = None
-        if self.refresh_due:
+        due = self.refresh_due
+        if due:
             if self._pending_grad is None:
                 warnings.warn(
                     f"GaLore layer {self.out_features}x{self.in_features}: a basis refresh was due but no "
@@ -486,9 +590,17 @@ class GaLoreLinear(nn.Module):
                 )
             else:
                 similarity = self.refresh(optimizer)
-        self._add_counter("galore_step")
-        self._update_refresh_due()
+        if not self._clock.shared:
+            self._clock.step += 1
+            self._update_refresh_due()
         return similarity
+
+    def use_clock(self, clock: StepClock) -> None:
+        """Advance ``galore_step`` with `clock` from now on (the model's, shared by its layers) instead of
+        the layer's own; the current value is kept."""
+        self._counts["galore_step"] = self.counter("galore_step")
+        self._clock, self._clock_mark = clock, clock.step
+        self._refresh_due_cache = None
 
     # The refresh's record and the refresh itself (hf_galore_plugin.layers.refresh), as methods.
     refresh_record_nbytes = _refresh_mod.refresh_record_nbytes
@@ -532,7 +644,7 @@ class GaLoreLinear(nn.Module):
         # The load copied into (or, with assign=True, replaced) the counter buffers: refresh the host
         # copies. Every load path ends here: load_state_dict, load_galore_state_dict, the engines' and
         # the Trainer integration's resumes, torch.distributed.checkpoint's set_model_state_dict.
-        self.sync_counters()
+        self._read_counter_buffers(loaded=True)
         self._pending_grad = None
 
 

@@ -231,7 +231,7 @@ def fold_factor_into_base(layer: Any, optimizer: Optional[torch.optim.Optimizer]
         _local(weight).copy_(merged)
     else:
         layer._store_weight(merged)
-    layer.base_multiplier.fill_(1.0)
+    layer._reset_base()
     _local(layer.galore_factor).zero_()
     # Engines that keep their own master copy of the factor (DeepSpeed ZeRO) reload it from the model.
     param_changed(optimizer, layer.galore_factor)

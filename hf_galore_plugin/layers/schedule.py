@@ -13,9 +13,35 @@ inside a training step's forward or backward.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["assign_refresh_phases", "compute_refresh_due", "pack_refresh_phases", "refresh_phase_capacity"]
+__all__ = [
+    "StepClock",
+    "assign_refresh_phases",
+    "compute_refresh_due",
+    "next_refresh_step",
+    "pack_refresh_phases",
+    "refresh_phase_capacity",
+]
+
+
+class StepClock:
+    """The optimizer steps taken, counted once for every layer that reads it. A layer owns one until its
+    model's step driver (``api.after_step``) gives all its layers one shared clock (`shared`), which the
+    driver ticks once a step: an ordinary step then costs one addition, whatever the number of layers."""
+
+    __slots__ = ("edits", "shared", "step")
+
+    # Bumped whenever a GaLore layer is built or a module of a model is swapped (inject.swap_submodule): a
+    # step driver that cached a model's layers re-reads them when it changed.
+    generation = 0
+
+    def __init__(self, *, shared: bool = False) -> None:
+        self.step = 0
+        self.shared = shared
+        # Bumped whenever a layer's counters are set outside the clock's ticks (a refresh, a load, a
+        # changed setting): the driver's earliest due step is recomputed then.
+        self.edits = 0
 
 
 def compute_refresh_due(layer: Any) -> bool:
@@ -27,6 +53,23 @@ def compute_refresh_due(layer: Any) -> bool:
     if not layer.calibrated:
         return True
     return layer.counter("galore_step") - layer.counter("galore_last_refresh") >= layer.counter("galore_gap")
+
+
+def next_refresh_step(layer: Any) -> Optional[int]:
+    """The first ``galore_step`` from the current one on at which :func:`compute_refresh_due` holds, if the
+    counters other than the step do not change until then (None: never). The step driver skips every
+    layer until the earliest of these (tests/test_layer_counters.py checks it against the rule step by step)."""
+    if not layer.needs_basis:
+        return None
+    step = layer.counter("galore_step")
+    staggered = layer.config.refresh_schedule == "staggered"
+    if not layer.calibrated:
+        return max(step, layer.counter("galore_phase")) if staggered else step
+    first = max(step, layer.counter("galore_last_refresh") + layer.counter("galore_gap"))
+    if not staggered:
+        return first
+    period = layer.config.update_proj_gap
+    return first + (layer.counter("galore_phase") - first) % period
 
 
 def _staggered_refresh_due(layer: Any) -> bool:
@@ -132,7 +175,5 @@ def assign_refresh_phases(layers: list[Any]) -> list[int]:
     for layer, phase in zip(layers, phase_of):
         layer._set_counter("galore_phase", phase)
         layer._phase = phase
-        # A new layer is at step 0, uncalibrated: due now iff its phase is 0 (set without reading a
-        # buffer, which on the meta device would fail).
-        layer._refresh_due_cache = layer.needs_basis and phase == 0
+        layer._update_refresh_due()  # from the host copies: no buffer read (the meta device has none)
     return phase_of

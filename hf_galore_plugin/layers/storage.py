@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from ..quant.ops import dequantize_stored
+
 if TYPE_CHECKING:
     from ..quant import QuantizedTensor
 
@@ -78,6 +80,7 @@ class StoredTensor:
         self.meta: Optional[dict[str, Any]] = None
         # Relative RMS error of the last quantization, measured against the exact value when it was stored.
         self.error: Optional[float] = None
+        self._reader: Optional[_Reader] = None  # set by store() with the metadata
 
     def buffer_names(self) -> list[str]:
         """The names of the module's buffers that hold this tensor now."""
@@ -109,6 +112,7 @@ class StoredTensor:
         tensors, self.meta = qt.to_state()
         for part, tensor in tensors.items():
             assign_buffer(self.module, f"{self.name}_{part}", tensor)
+        self._reader = None if self.meta["double_quant"] else _Reader(self.name, self.meta, "zero_points" in tensors)
 
     def load(self) -> QuantizedTensor:
         """The quantized tensor rebuilt from the buffers (a ``QuantizedTensor`` sharing their storage)."""
@@ -123,23 +127,45 @@ class StoredTensor:
     def value(self, dtype: torch.dtype) -> torch.Tensor:
         """The tensor in `dtype`: the buffer itself when it has that dtype, else a (dequantized) copy.
 
-        Called for W0 and each basis in every forward and backward: it rebuilds the quantized tensor
-        itself (as :meth:`load` does) rather than through another call."""
+        Called for W0 in every forward and backward and for each basis in every forward: the buffers are
+        read by name (engines and ``module.to()`` replace them) and dequantized without rebuilding a
+        ``QuantizedTensor`` or checking what :meth:`store` wrote."""
         buffers = self.module._buffers
         if not self.quantized:
             # A plain store always has its buffer once stored (the layer stores at construction).
-            return buffers[self.name].to(dtype)  # type: ignore[union-attr]
-        from ..quant import QuantizedTensor
-
-        start, prefix = len(self.name) + 1, self.name + "_"
-        tensors = {name[start:]: t for name, t in buffers.items() if name.startswith(prefix)}
-        # Set by store() with the buffers; a quantized store's buffers are never None.
-        return QuantizedTensor.from_state(tensors, self.meta).dequantize(dtype)  # type: ignore[arg-type]
+            plain = buffers[self.name]
+            assert plain is not None
+            return plain if plain.dtype == dtype else plain.to(dtype)
+        reader = self._reader
+        if reader is None:  # double-quantized scales: rebuilt through QuantizedTensor
+            return self.load().dequantize(dtype)
+        return reader.read(buffers, dtype)
 
     def nbytes(self) -> int:
         """Bytes of the buffers that hold it."""
         tensors = [self.module._buffers[name] for name in self.buffer_names()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _Reader:
+    """The buffer names and static arguments of one quantized tensor's dequantization, fixed when it is
+    stored (the metadata does not change between stores)."""
+
+    __slots__ = ("codes", "scales", "zero_points", "kwargs", "shape")
+
+    def __init__(self, name: str, meta: dict[str, Any], has_zero_points: bool) -> None:
+        self.codes, self.scales = f"{name}_codes", f"{name}_scales"
+        self.zero_points = f"{name}_zero_points" if has_zero_points else None
+        self.shape = tuple(meta["shape"])
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        self.kwargs = dict(scheme=meta["scheme"], bits=meta["bits"], block_size=meta["block_size"], numel=numel)
+
+    def read(self, buffers: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+        zero_points = None if self.zero_points is None else buffers[self.zero_points]
+        flat = dequantize_stored(buffers[self.codes], buffers[self.scales], zero_points, dtype=dtype, **self.kwargs)
+        return flat.view(self.shape)
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -315,7 +315,7 @@ def _staggered_trace_phases(model: nn.Module, user_config, full_layers: int | No
     for _, layer in layers:
         layer._set_counter("galore_phase", 0)
         layer._phase = 0
-        layer._refresh_due_cache = layer.needs_basis
+        layer._update_refresh_due()
     traced_layers = max((i for i, _ in layers), default=-1) + 1
     depth = full_layers or traced_layers
     outside = [layer for i, layer in layers if i < 0]
@@ -344,7 +344,7 @@ def _restage(model: nn.Module, member) -> None:
         layer._phase = phase
         if layer is not member:
             layer._set_counter("galore_gap", 1 << 20)
-        layer._refresh_due_cache = None
+        layer._update_refresh_due()
 
 
 @contextlib.contextmanager

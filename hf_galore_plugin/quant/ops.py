@@ -16,12 +16,13 @@ in the op schema and None (or the given tensors) at the entry points.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from hf_galore_plugin.utils import KERNEL_DISPATCH, use_triton
 
 from . import functional
 
-__all__ = ["blockwise_stats", "quantize_blockwise", "dequantize_blockwise"]
+__all__ = ["blockwise_stats", "quantize_blockwise", "dequantize_blockwise", "dequantize_stored"]
 
 
 def _kernels():
@@ -218,3 +219,33 @@ def dequantize_blockwise(
             codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
         )
     return torch.ops.hf_galore.dequantize_blockwise(codes, scales, zero_points, scheme, bits, block_size, numel, dtype)
+
+
+def dequantize_stored(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    *,
+    scheme: str,
+    bits: int,
+    block_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`dequantize_blockwise` for tensors this package quantized itself (a layer's W0 and bases, read
+    in every forward and backward): no argument checks, and in eager mode the implementation is called
+    directly, without the custom op's Python dispatch (tens of microseconds a call, more than the CPU work
+    of a small tensor). Traced code (torch.compile, fake tensors) goes through the op, as it does through
+    the checked entry point."""
+    traced = torch.compiler.is_compiling() or is_fake(codes)
+    if traced and not KERNEL_DISPATCH.inline_twins:
+        return torch.ops.hf_galore.dequantize_blockwise(
+            codes, scales, zero_points, scheme, bits, block_size, numel, dtype
+        )
+    if not traced and use_triton(codes):
+        return _kernels().dequantize_blockwise_triton(
+            codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
+        )
+    return functional.dequantize_blockwise_torch(
+        codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
+    )

@@ -113,8 +113,8 @@ def main(out: str) -> None:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             get_optimizer_state_dict(model, optimizer)
-            assert all(float(l.base_multiplier) == 1.0 for _, l in galore_layers(model))
-            assert all(int(l.galore_step) == 0 for _, l in galore_layers(model))
+            assert all(l.alpha == 1.0 for _, l in galore_layers(model))
+            assert all(l.counter("galore_step") == 0 for _, l in galore_layers(model))
         losses, refreshes = [], 0
         for step, micro_batches in enumerate(batches(rank, world)):
             total = torch.zeros(())
@@ -147,10 +147,11 @@ def main(out: str) -> None:
             weights = {k: full(v).detach().clone() for k, v in merged_state_dict(model).items()}
         del forward  # DDP's reducer, released before the process group goes
     multipliers = {
-        name.replace("_fsdp_wrapped_module.", ""): float(layer.base_multiplier) for name, layer in galore_layers(model)
+        name.replace("_fsdp_wrapped_module.", ""): layer.alpha for name, layer in galore_layers(model)
     }
     for name, layer in galore_layers(model):
-        buffers = {counter: int(getattr(layer, counter)) for counter in COUNTER_NAMES}
+        saved = layer.state_dict()  # what a checkpoint holds
+        buffers = {counter: int(saved[counter]) for counter in COUNTER_NAMES}
         assert {counter: layer.counter(counter) for counter in COUNTER_NAMES} == buffers, (rank, name, buffers)
     if rank == 0:
         torch.save({"losses": losses, "refreshes": refreshes, "weights": weights, "multipliers": multipliers}, out)

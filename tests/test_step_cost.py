@@ -1,0 +1,170 @@
+"""The fixed cost of an ordinary training step, counted (not timed): device syncs, aten ops per GaLore layer,
+the step driver's work; and the schedule shortcut the driver takes against the refresh rule it skips.
+
+Oracles: a TorchDispatchMode that counts every dispatched aten op (benchmarks/step_overhead.py's `OpCount`),
+the same model with plain nn.Linear layers under torch's fused AdamW, and `layers.schedule.compute_refresh_due`
+evaluated at every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hf_galore_plugin as hgp
+from hf_galore_plugin.layers import GaLoreLinear, schedule
+from conftest import build_tiny_llama
+
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from step_overhead import OpCount  # noqa: E402
+
+PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+# hidden 64, 2 decoder layers of 7 linear maps each
+LLAMA = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2)
+
+
+def _stepper(model, optimizer, tokens, after=None):
+    def step():
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        if after is not None:
+            after()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _galore_run(preset, *, vocab=256, **overrides):
+    torch.manual_seed(0)
+    model = build_tiny_llama(**LLAMA, vocab_size=vocab)
+    config = hgp.GaLoreConfig.preset(preset, rank=16, update_proj_gap=1000, **overrides)
+    hgp.prepare_model(model, config)
+    optimizer = hgp.create_optimizer(model, lr=1e-3, weight_decay=0.01)
+    tokens = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
+    step = _stepper(model, optimizer, tokens, lambda: hgp.after_step(model, optimizer))
+    for _ in range(3):  # the calibration step and two ordinary ones
+        step()
+    return model, optimizer, step
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_ordinary_step_makes_no_device_sync_with_a_large_vocabulary(preset):
+    """No op of an ordinary step reads a device value to the host (forward, backward, optimizer, after_step):
+    each such read is a device sync on a GPU."""
+    _, _, step = _galore_run(preset, vocab=30000)
+    with OpCount() as count:
+        step()
+    assert count.syncs == 0, count.names
+
+
+@pytest.mark.parametrize("preset", ["galore_adamw", "galore_adamw_8bit"])
+def test_galore_layer_costs_at_most_eight_ops_more_than_nn_linear(preset):
+    """Ops that do work (not views or metadata), per GaLore layer per ordinary step, beyond what the same
+    nn.Linear costs under torch's fused AdamW: the low-rank GEMMs, the scale and the gradient sum, and
+    nothing per layer in the step driver. The quantized preset's dequantizations are one kernel each on a
+    GPU but several torch ops in the CPU twin, so it is left out of this count (BENCHMARKS.md, Step time)."""
+    model, _, step = _galore_run(preset)
+    layers = len(hgp.galore_layers(model))
+    torch.manual_seed(0)
+    plain = build_tiny_llama(**LLAMA)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    plain_step = _stepper(plain, optimizer, tokens)
+    plain_step()
+    with OpCount() as galore_ops:
+        step()
+    with OpCount() as linear_ops:
+        plain_step()
+    extra = (galore_ops.work - linear_ops.work) / layers
+    assert extra <= 8, (extra, galore_ops.names - linear_ops.names)
+
+
+def test_step_driver_does_no_per_layer_work_on_an_ordinary_step(monkeypatch):
+    """after_step on an ordinary step neither asks a layer whether it is due nor steps it: the earliest due
+    step of the model is known."""
+    model, _, step = _galore_run("galore_adamw")
+    calls = []
+    monkeypatch.setattr(GaLoreLinear, "after_optimizer_step", lambda self, *a: calls.append(self))
+    monkeypatch.setattr(schedule, "compute_refresh_due", lambda layer: calls.append(layer))
+    with OpCount() as count:
+        hgp.after_step(model)
+    assert calls == [] and count.work == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_next_refresh_step_is_the_first_step_the_rule_says_due(seed):
+    """`next_refresh_step` (what the step driver skips to) against `compute_refresh_due` evaluated at every
+    step, for random counters, gaps, phases and both schedules."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        staggered = rng.random() < 0.5
+        gap = rng.randint(1, 7)
+        config = hgp.GaLoreConfig(rank=2, update_proj_gap=gap, refresh_schedule="staggered" if staggered else "aligned")
+        layer = hgp.prepare_model(nn.Sequential(nn.Linear(6, 8)), config)[0]
+        calibrated = rng.random() < 0.7
+        layer._set_counter("galore_phase", rng.randrange(gap))
+        layer._set_counter("galore_num_refreshes", int(calibrated))
+        layer._set_counter("galore_last_refresh", rng.randint(0, 20) if calibrated else -1)
+        layer._set_counter("galore_gap", gap * rng.randint(1, 3))
+        start = rng.randint(0, 30)
+        layer._set_counter("galore_step", start)
+        expected = next(s for s in range(start, start + 200) if _due_at(layer, s))
+        layer._set_counter("galore_step", start)
+        assert schedule.next_refresh_step(layer) == expected
+
+
+def _due_at(layer, step):
+    layer._set_counter("galore_step", step)
+    return schedule.compute_refresh_due(layer)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_state_dict_holds_the_step_count_the_clock_advanced(preset):
+    """galore_step advances on the model's shared clock; its buffer is written when the state is read out,
+    so a state_dict saved after ordinary steps holds the true count."""
+    model, _, step = _galore_run(preset)
+    step()
+    state = model.state_dict()
+    for name, layer in hgp.galore_layers(model):
+        assert int(state[f"{name}.galore_step"]) == layer.counter("galore_step") == 4
+
+
+def _losses(model, optimizer, after, counter=None):
+    """Three training steps of `model` (compiled with `counter` as the backend, when given); their losses."""
+    run = model if counter is None else torch.compile(model, backend=counter)
+    tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(3):
+        loss = run(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        after()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_compiled_model_traces_as_the_plain_model_does(preset):
+    """torch.compile(model) of a prepared Llama over three ordinary training steps: one graph, as the plain
+    model under fused AdamW (no graph break, no recompilation per layer shape), and the eager losses."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plain = build_tiny_llama(**LLAMA)
+    plain_counter = CompileCounterWithBackend("aot_eager")
+    _losses(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True), lambda: None, plain_counter)
+    results = []
+    for counter in (None, CompileCounterWithBackend("aot_eager")):
+        torch._dynamo.reset()
+        model, optimizer, _ = _galore_run(preset)  # calibrated: the three steps are ordinary ones
+        results.append(_losses(model, optimizer, functools.partial(hgp.after_step, model, optimizer), counter))
+    assert counter.frame_count == plain_counter.frame_count == 1
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
