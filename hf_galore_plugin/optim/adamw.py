@@ -27,6 +27,10 @@ the compiled torch twin on the CPU).
 Tensors with fewer than `min_8bit_numel` values keep fp32 state even when state_bits=8, as
 bitsandbytes does (its default threshold is 4096): for biases and norms the 8-bit saving is a
 few KB while their scales would cost up to 4 B per block.
+Step counts: the bias correction needs each parameter's count as a Python number. The optimizer keeps
+a host copy of every "step" tensor it advances (not in the state, which stays as torch's), trusted
+while the tensor's version counter shows no other write, so an ordinary step reads no tensor value:
+no device sync wherever the counts live (tests/test_optim_step_overhead.py counts them).
 """
 
 from __future__ import annotations
@@ -115,33 +119,61 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 # torch's fused CPU kernel runs its vector loop over all but the last numel % (vector width) values
 # of a tensor and a scalar loop, which rounds differently, over those. So that a value's result never
-# depends on where it sits in its tensor (FSDP shards must step exactly like the whole tensor), each
-# tensor goes in as its first multiple of _FUSED_ALIGN values plus its rest zero-padded to
-# _FUSED_ALIGN values (a multiple of every vector width: 8 on AVX2, 16 on AVX-512).
+# depends on where it sits in its tensor (FSDP shards must step exactly like the whole tensor), every
+# value goes through the vector loop: each tensor goes in as its first multiple of _FUSED_ALIGN values,
+# and the rest of every tensor at the same step count goes in as one buffer, zero-padded to a multiple
+# of _FUSED_ALIGN values (a multiple of every vector width: 8 on AVX2, 16 on AVX-512, and of the
+# kernel's 16-value thread split).
 _FUSED_ALIGN = 64
 
 
-def _add_fused(lists: list[list], tensors: tuple[torch.Tensor, ...], step: torch.Tensor) -> None:
-    n = tensors[0].numel()
-    body = n - n % _FUSED_ALIGN
-    if body == n:  # the whole tensors, as they are (the kernel takes any shape; views cost microseconds)
-        for i, t in enumerate(tensors):
-            lists[i].append(t)
-        lists[4].append(step)
-        return
-    flat = [t.view(-1) for t in tensors]
-    if body:
-        for i, t in enumerate(flat):
-            lists[i].append(t[:body])
-        lists[4].append(step)
-    if body < n:
-        for i, t in enumerate(flat):
-            padded = t.new_zeros(_FUSED_ALIGN)
-            padded[: n - body].copy_(t[body:])
-            lists[i].append(padded)
-            if i != 1:  # the gradient is only read
-                lists[5].append((padded, t[body:]))
-        lists[4].append(step)
+class _FusedBatch:
+    """The fp32-state tensors of one group on one device, stepped by one `torch._fused_adamw_` call."""
+
+    def __init__(self) -> None:
+        self.lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs
+        self.steps: list[torch.Tensor] = []
+        # step count -> (a step tensor holding it, the four lists of tails): tails of one count share a buffer.
+        self.tails: dict[int, tuple[torch.Tensor, tuple[list[torch.Tensor], ...]]] = {}
+
+    def add(self, tensors: tuple[torch.Tensor, ...], step: torch.Tensor, count: int) -> None:
+        """`tensors` (param, grad, exp_avg, exp_avg_sq), whose step tensor `step` holds `count` when `run` runs."""
+        n = tensors[0].numel()
+        body = n - n % _FUSED_ALIGN
+        if body == n:  # the whole tensors, as they are (the kernel takes any shape; views cost microseconds)
+            for lst, t in zip(self.lists, tensors):
+                lst.append(t)
+            self.steps.append(step)
+            return
+        flat = [t.view(-1) for t in tensors]
+        if body:
+            for lst, t in zip(self.lists, flat):
+                lst.append(t[:body])
+            self.steps.append(step)
+        tails = self.tails.setdefault(count, (step, ([], [], [], [])))[1]
+        for lst, t in zip(tails, flat):
+            lst.append(t[body:])
+
+    def run(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs = self.lists
+        written_back = []
+        for step, tails in self.tails.values():
+            sizes = [t.numel() for t in tails[0]]
+            padding = tails[0][0].new_zeros(-sum(sizes) % _FUSED_ALIGN)
+            buffers = [torch.cat([*parts, padding]) for parts in tails]
+            for lst, buffer in zip(self.lists, buffers):
+                lst.append(buffer)
+            self.steps.append(step)
+            written_back.append((buffers, tails, sizes))
+        beta1, beta2 = (float(b) for b in group["betas"])
+        torch._fused_adamw_(
+            params, grads, exp_avgs, exp_avg_sqs, [], self.steps,
+            amsgrad=False, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
+        )  # fmt: skip
+        for buffers, tails, sizes in written_back:
+            for i in (0, 2, 3):  # the gradient is only read
+                torch._foreach_copy_(tails[i], list(buffers[i][: sum(sizes)].split(sizes)))
 
 
 def _place(value: torch.Tensor, param: torch.Tensor, offload: bool) -> torch.Tensor:
@@ -157,18 +189,6 @@ def _refuse_dtensor_offload() -> None:
     from hf_galore_plugin.engines.capabilities import check_state_offload
 
     check_state_offload("fsdp2", state_offload="cpu")
-
-
-def _run_fused(lists: list[list], group: dict[str, Any]) -> None:
-    params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = lists
-    beta1, beta2 = (float(b) for b in group["betas"])
-    torch._fused_adamw_(
-        params, grads, exp_avgs, exp_avg_sqs, [], steps,
-        amsgrad=False, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-        weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
-    )  # fmt: skip
-    for padded, original in copy_back:
-        original.copy_(padded[: original.numel()])
 
 
 def _hyper(group: dict[str, Any], step: int | None = None) -> dict[str, Any]:
@@ -400,7 +420,7 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         fused_enabled = _fused_enabled()
         for group in self.param_groups:
-            fused: dict[torch.device, list[list[torch.Tensor]]] = {}
+            fused: dict[torch.device, _FusedBatch] = {}
             streamed: dict[torch.device, list] = {}
             # 8-bit parameters per (device, block size, error feedback): one multi-tensor call each.
             eight_bit: dict[tuple[torch.device, int, bool], tuple[list, list, list, list]] = {}
@@ -429,8 +449,8 @@ class AdamW(torch.optim.Optimizer):
                 if "exp_avg" in state:
                     exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                     if fused_enabled and _fusable(local, grad, exp_avg, exp_avg_sq):
-                        lists = fused.setdefault(local.device, [[], [], [], [], [], []])
-                        _add_fused(lists, (local, grad, exp_avg, exp_avg_sq), state["step"])
+                        batch = fused.get(local.device) or fused.setdefault(local.device, _FusedBatch())
+                        batch.add((local, grad, exp_avg, exp_avg_sq), state["step"], step)
                     else:
                         adamw_step_fp32(local, grad, exp_avg, exp_avg_sq, **_hyper(group, step))
                     continue
@@ -446,10 +466,10 @@ class AdamW(torch.optim.Optimizer):
                 self._advance_steps(advanced)
             for (_, block_size, _), (params, grads, states, steps) in eight_bit.items():
                 adamw_steps_8bit(params, grads, states, steps, block_size=block_size, **_hyper(group))
-            for lists in fused.values():
+            for batch in fused.values():
                 # torch's multi-tensor fused AdamW kernel: one call for every fp32 tensor of the group
                 # (no per-tensor Python).
-                _run_fused(lists, group)
+                batch.run(group)
             for device, chunks in streamed.items():
                 if device not in self._streamers:
                     self._streamers[device] = StateStreamer(device, self._chunk_bytes)
@@ -484,9 +504,9 @@ class AdamW(torch.optim.Optimizer):
 
             def update(staged, part=part, part_grad=part_grad):
                 if fusable:
-                    lists: list[list] = [[], [], [], [], [], []]
-                    _add_fused(lists, (part, part_grad, staged["exp_avg"], staged["exp_avg_sq"]), state["step"])
-                    _run_fused(lists, group)
+                    batch = _FusedBatch()
+                    batch.add((part, part_grad, staged["exp_avg"], staged["exp_avg_sq"]), state["step"], step)
+                    batch.run(group)
                 elif fp32:
                     adamw_step_fp32(part, part_grad, staged["exp_avg"], staged["exp_avg_sq"], **hyper)
                 else:

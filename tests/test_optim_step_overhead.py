@@ -1,10 +1,11 @@
-"""An ordinary optimizer step reads no tensor value to the host, for every state format; and the host copy
-of the step counts that makes this possible follows every write it can see.
+"""The host work of an ordinary optimizer step: no tensor value read to the host, for every state format;
+the host copy of the step counts that makes this possible follows every write it can see; and a group's
+fp32 tensors step in one fused call whatever their sizes.
 
 A read of a device tensor's value (`.item()`, `nonzero`, ...) is a device sync that stalls the host; a
-step count read per parameter would be dozens per step. Syncs are counted with the benchmarks' dispatch
-mode (`benchmarks/step_overhead.py`, `OpCount`), which counts every such read whatever the device, so
-the CPU run checks what a GPU run would do.
+step count read per parameter would be dozens per step. Syncs and ops are counted with the benchmarks'
+dispatch mode (`benchmarks/step_overhead.py`, `OpCount`), which counts every such read whatever the
+device, so the CPU run checks what a GPU run would do.
 """
 
 from __future__ import annotations
@@ -167,3 +168,40 @@ def test_deep_copied_optimizer_steps_like_the_original():
     for a, b in zip(params, clone_params):
         assert torch.equal(a, b)
         assert int(clone.state[b]["step"]) == 3
+
+
+def test_fp32_group_steps_in_one_fused_call_bit_identical_to_one_tensor_each():
+    # A group of fp32 tensors of many sizes, most not a multiple of 64 values, at two step counts (every
+    # other one reset midway) steps in one fused call with a few ops per step count and none per tensor,
+    # and each tensor exactly as when it is the only tensor of its optimizer (each value goes through the
+    # kernel's vector loop either way; see adamw._FUSED_ALIGN).
+    shapes = [(7, 9), (64,), (130,), (1,), (33, 65), (4096,), (63,), (5, 7, 3), (200, 3)]
+    g = torch.Generator().manual_seed(0)
+    starts = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(6)]
+    hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    grouped = [torch.nn.Parameter(t.clone()) for t in starts]
+    alone = [torch.nn.Parameter(t.clone()) for t in starts]
+    grouped_optimizer = AdamW(grouped, **hyper)
+    alone_optimizers = [AdamW([p], **hyper) for p in alone]
+    for step, step_grads in enumerate(grads):
+        if step == 3:
+            for p, q, optimizer in zip(grouped[::2], alone[::2], alone_optimizers[::2]):
+                grouped_optimizer.reset_state(p)
+                optimizer.reset_state(q)
+        for p, grad in zip(grouped, step_grads):
+            p.grad = grad.clone()
+        with OpCount() as counted:
+            grouped_optimizer.step()
+        for q, grad, optimizer in zip(alone, step_grads, alone_optimizers):
+            _step([q], optimizer, [grad])
+        assert counted.names["_fused_adamw_"] == 1
+        if step not in (0, 3):  # steps that create no state
+            # The step counts' increment, the kernel and the profiler's two marks; per step count with
+            # tails: a zero pad, 4 concatenations, 3 write-backs.
+            assert counted.work == 4 + 8 * (2 if step > 3 else 1), dict(counted.names)
+    for p, q, optimizer in zip(grouped, alone, alone_optimizers):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(grouped_optimizer.state[p][key], optimizer.state[q][key])
+    assert sorted(int(grouped_optimizer.state[p]["step"]) for p in grouped) == [3] * 5 + [6] * 4
