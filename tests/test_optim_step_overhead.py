@@ -205,3 +205,39 @@ def test_fp32_group_steps_in_one_fused_call_bit_identical_to_one_tensor_each():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(grouped_optimizer.state[p][key], optimizer.state[q][key])
     assert sorted(int(grouped_optimizer.state[p]["step"]) for p in grouped) == [3] * 5 + [6] * 4
+
+
+def _multi_step_args(error_feedback: bool):
+    """Arguments of `hf_galore::adamw8bit_step_multi` for three parameters (one value, a partial block,
+    several blocks) at different step counts."""
+    g = torch.Generator().manual_seed(2)
+    sizes, block_size = [1, 300, 1024], 256
+    columns: list[list[torch.Tensor]] = [[] for _ in range(10)]
+    for n in sizes:
+        blocks = -(-n // block_size)
+        tensors = [
+            torch.randn(n, generator=g), torch.randn(n, generator=g),
+            torch.randint(-127, 128, (n,), generator=g, dtype=torch.int8), torch.rand(blocks, generator=g),
+            torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8), torch.rand(blocks, generator=g),
+        ]  # fmt: skip
+        if error_feedback:
+            tensors += [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks)] * 2
+        for column, tensor in zip(columns, tensors):
+            column.append(tensor)
+    return (*columns, [3, 1, 7], 1e-2, 0.9, 0.999, 1e-8, 0.1, block_size)
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_multi_step_op_passes_opcheck_and_bumps_the_version_of_what_it_writes(error_feedback):
+    # The op is declared with torch.library.Library (custom_op's per-call Python costs more than the C++
+    # step of a small group): torch's own checks of schema, fake registration and traced dispatch, and
+    # the version counters autograd relies on to refuse a tensor modified after it was saved.
+    op = torch.ops.hf_galore.adamw8bit_step_multi.default
+    torch.library.opcheck(op, _multi_step_args(error_feedback))
+    args = _multi_step_args(error_feedback)
+    tensors = args[:10]
+    before = [[t._version for t in column] for column in tensors]
+    op(*args)
+    for i, (column, versions) in enumerate(zip(tensors, before)):
+        written = i != 1  # the gradients are only read
+        assert all((t._version > v) == written for t, v in zip(column, versions)), i
