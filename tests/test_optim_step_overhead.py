@@ -241,3 +241,17 @@ def test_multi_step_op_passes_opcheck_and_bumps_the_version_of_what_it_writes(er
     for i, (column, versions) in enumerate(zip(tensors, before)):
         written = i != 1  # the gradients are only read
         assert all((t._version > v) == written for t, v in zip(column, versions)), i
+
+
+def test_multi_step_refuses_non_contiguous_state():
+    # The op takes tensors of any shape without viewing them 1-D (a view per tensor per step costs more
+    # than a small parameter's C++ step), so the kernels read them as flat memory: a transposed code
+    # tensor would be read in the wrong order, and is refused instead.
+    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_multi
+
+    param, grad = torch.zeros(16, 32), torch.zeros(16, 32)
+    codes = torch.zeros(32, 16, dtype=torch.int8).t()
+    state = (codes, torch.zeros(2), torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(2))
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
+    with pytest.raises(ValueError, match="every state tensor must be contiguous"):
+        adamw8bit_step_multi([param], [grad], [state], steps=[1], **hyper)
