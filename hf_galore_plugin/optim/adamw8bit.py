@@ -637,7 +637,7 @@ def _pick(lists: tuple[list[torch.Tensor], ...], indices) -> tuple[list[torch.Te
 
 # The multi-tensor step is declared with torch.library.Library, not the custom_op decorator: custom_op
 # wraps each call in a Python autograd function and a Python ADInplaceOrView kernel that walk every
-# tensor of every list (measured on one CPU thread: 0.25 ms per call plus ~12 us per parameter, more
+# tensor of every list (measured on one CPU thread: 0.25 ms per call plus ~11 us per parameter, more
 # than the C++ step of a small model's whole group). The schema, the kernel on every device and the fake
 # registration are those custom_op would make; one ADInplaceOrView kernel bumps the version counters
 # of the mutated tensors, as every in-place op does.
