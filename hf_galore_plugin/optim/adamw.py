@@ -325,11 +325,12 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # torch pickles (and deep-copies) an optimizer as defaults, state and groups only.
+        # torch pickles (and deep-copies) an optimizer as defaults, state and groups only, and its
+        # load_state_dict ends here too: what this optimizer keeps besides is rebuilt only where missing.
         super().__setstate__(state)
         self.__dict__.setdefault("_chunk_bytes", int(DEFAULT_CHUNK_MB * 2**20))
-        self._streamers = {}
-        self._step_counts = {}
+        self.__dict__.setdefault("_streamers", {})
+        self.__dict__.setdefault("_step_counts", {})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
