@@ -27,6 +27,10 @@ the compiled torch twin on the CPU).
 Tensors with fewer than `min_8bit_numel` values keep fp32 state even when state_bits=8, as
 bitsandbytes does (its default threshold is 4096): for biases and norms the 8-bit saving is a
 few KB while their scales would cost up to 4 B per block.
+Step counts: the bias correction needs each parameter's count as a Python number. The optimizer keeps
+a host copy of every "step" tensor it advances (not in the state, which stays as torch's), trusted
+while the tensor's version counter shows no other write, so an ordinary step reads no tensor value:
+no device sync wherever the counts live (tests/test_optim_step_overhead.py counts them).
 """
 
 from __future__ import annotations
@@ -78,15 +82,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def _fused_enabled() -> bool:
+    """Whether torch's fused AdamW kernel exists and `HF_GALORE_FUSED_ADAMW=0` does not turn it off (read once
+    per step: an environment lookup per parameter cost more than the rest of the check)."""
+    return _FUSED_AVAILABLE and os.environ.get("HF_GALORE_FUSED_ADAMW", "1") != "0"
+
+
 def _fusable(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:
     """Whether torch's fused AdamW kernel can step this fp32-state tensor: fp32 everywhere, dense
-    contiguous CPU tensors (its step counters live on the CPU, as ours do). `HF_GALORE_FUSED_ADAMW=0`
-    sends every tensor through `adamw_step_fp32` instead."""
+    contiguous CPU tensors (its step counters live on the CPU, as ours do). Callers check
+    `_fused_enabled()` first."""
     # Plain `and`s, no generator: this runs once per parameter per step.
     fp32 = torch.float32
     return (
-        _FUSED_AVAILABLE
-        and param.device.type == "cpu"
+        param.device.type == "cpu"
         and param.dtype == fp32
         and grad.dtype == fp32
         and exp_avg.dtype == fp32
@@ -96,39 +105,75 @@ def _fusable(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp
         and exp_avg.is_contiguous()
         and exp_avg_sq.is_contiguous()
         and grad.device == param.device
-        and os.environ.get("HF_GALORE_FUSED_ADAMW", "1") != "0"
     )
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """`tensor`'s version counter, which every in-place write through it or a view of it bumps; None for
+    an inference tensor, which keeps none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 # torch's fused CPU kernel runs its vector loop over all but the last numel % (vector width) values
 # of a tensor and a scalar loop, which rounds differently, over those. So that a value's result never
-# depends on where it sits in its tensor (FSDP shards must step exactly like the whole tensor), each
-# tensor goes in as its first multiple of _FUSED_ALIGN values plus its rest zero-padded to
-# _FUSED_ALIGN values (a multiple of every vector width: 8 on AVX2, 16 on AVX-512).
+# depends on where it sits in its tensor (FSDP shards must step exactly like the whole tensor), every
+# value goes through the vector loop: each tensor goes in as its first multiple of _FUSED_ALIGN values,
+# and the rest of every tensor at the same step count goes in as one buffer, zero-padded to a multiple
+# of _FUSED_ALIGN values (a multiple of every vector width: 8 on AVX2, 16 on AVX-512, and of the
+# kernel's 16-value thread split).
 _FUSED_ALIGN = 64
 
 
-def _add_fused(lists: list[list], tensors: tuple[torch.Tensor, ...], step: torch.Tensor) -> None:
-    n = tensors[0].numel()
-    body = n - n % _FUSED_ALIGN
-    if body == n:  # the whole tensors, as they are (the kernel takes any shape; views cost microseconds)
-        for i, t in enumerate(tensors):
-            lists[i].append(t)
-        lists[4].append(step)
-        return
-    flat = [t.view(-1) for t in tensors]
-    if body:
-        for i, t in enumerate(flat):
-            lists[i].append(t[:body])
-        lists[4].append(step)
-    if body < n:
-        for i, t in enumerate(flat):
-            padded = t.new_zeros(_FUSED_ALIGN)
-            padded[: n - body].copy_(t[body:])
-            lists[i].append(padded)
-            if i != 1:  # the gradient is only read
-                lists[5].append((padded, t[body:]))
-        lists[4].append(step)
+class _FusedBatch:
+    """The fp32-state tensors of one group on one device, stepped by one `torch._fused_adamw_` call."""
+
+    def __init__(self) -> None:
+        self.lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs
+        self.steps: list[torch.Tensor] = []
+        # step count -> (a step tensor holding it, the four lists of tails): tails of one count share a buffer.
+        self.tails: dict[int, tuple[torch.Tensor, tuple[list[torch.Tensor], ...]]] = {}
+
+    def add(self, tensors: tuple[torch.Tensor, ...], step: torch.Tensor, count: int) -> None:
+        """`tensors` (param, grad, exp_avg, exp_avg_sq), whose step tensor `step` holds `count` when `run` runs."""
+        n = tensors[0].numel()
+        body = n - n % _FUSED_ALIGN
+        if body == n:  # the whole tensors, as they are (the kernel takes any shape; views cost microseconds)
+            for lst, t in zip(self.lists, tensors):
+                lst.append(t)
+            self.steps.append(step)
+            return
+        flat = [t.view(-1) for t in tensors]
+        if body:
+            for lst, t in zip(self.lists, flat):
+                lst.append(t[:body])
+            self.steps.append(step)
+        tails = self.tails.setdefault(count, (step, ([], [], [], [])))[1]
+        for lst, t in zip(tails, flat):
+            lst.append(t[body:])
+
+    def run(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs = self.lists
+        written_back = []
+        for step, tails in self.tails.values():
+            sizes = [t.numel() for t in tails[0]]
+            padding = tails[0][0].new_zeros(-sum(sizes) % _FUSED_ALIGN)
+            buffers = [torch.cat([*parts, padding]) for parts in tails]
+            for lst, buffer in zip(self.lists, buffers):
+                lst.append(buffer)
+            self.steps.append(step)
+            written_back.append((buffers, tails, sizes))
+        beta1, beta2 = (float(b) for b in group["betas"])
+        torch._fused_adamw_(
+            params, grads, exp_avgs, exp_avg_sqs, [], self.steps,
+            amsgrad=False, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
+        )  # fmt: skip
+        for buffers, tails, sizes in written_back:
+            for i in (0, 2, 3):  # the gradient is only read
+                torch._foreach_copy_(tails[i], list(buffers[i][: sum(sizes)].split(sizes)))
 
 
 def _place(value: torch.Tensor, param: torch.Tensor, offload: bool) -> torch.Tensor:
@@ -146,24 +191,11 @@ def _refuse_dtensor_offload() -> None:
     check_state_offload("fsdp2", state_offload="cpu")
 
 
-def _run_fused(lists: list[list], group: dict[str, Any]) -> None:
-    params, grads, exp_avgs, exp_avg_sqs, steps, copy_back = lists
-    beta1, beta2 = (float(b) for b in group["betas"])
-    torch._fused_adamw_(
-        params, grads, exp_avgs, exp_avg_sqs, [], steps,
-        amsgrad=False, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-        weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
-    )  # fmt: skip
-    for padded, original in copy_back:
-        original.copy_(padded[: original.numel()])
-
-
-def _hyper(group: dict[str, Any], state: dict[str, Any] | None) -> dict[str, Any]:
-    """The step's keyword arguments: the group's options, and the parameter's step count when `state`
-    is given."""
+def _hyper(group: dict[str, Any], step: int | None = None) -> dict[str, Any]:
+    """The step's keyword arguments: the group's options, and the parameter's step count when given."""
     beta1, beta2 = (float(b) for b in group["betas"])
     return {
-        **({"step": int(state["step"].item())} if state is not None else {}),
+        **({"step": step} if step is not None else {}),
         "lr": float(group["lr"]),
         "beta1": beta1,
         "beta2": beta2,
@@ -287,7 +319,18 @@ class AdamW(torch.optim.Optimizer):
             )
         self._chunk_bytes = int(state_offload_chunk_mb * 2**20)
         self._streamers: dict[torch.device, StateStreamer] = {}
+        # The host copy of each parameter's step count: id(param) -> (its "step" tensor, that tensor's
+        # version counter when this optimizer last wrote it, the count). See `_step_count`.
+        self._step_counts: dict[int, tuple[torch.Tensor, int, int]] = {}
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch pickles (and deep-copies) an optimizer as defaults, state and groups only, and its
+        # load_state_dict ends here too: what this optimizer keeps besides is rebuilt only where missing.
+        super().__setstate__(state)
+        self.__dict__.setdefault("_chunk_bytes", int(DEFAULT_CHUNK_MB * 2**20))
+        self.__dict__.setdefault("_streamers", {})
+        self.__dict__.setdefault("_step_counts", {})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -302,7 +345,45 @@ class AdamW(torch.optim.Optimizer):
         with host_allocation() if group["state_offload"] == "cpu" else contextlib.nullcontext():
             state.update(self._moments(param, group))
         self.state[param] = state
+        self._remember_step(param, state["step"], 0)
         return state
+
+    def _remember_step(self, param: torch.Tensor, step: torch.Tensor, count: int) -> None:
+        version = _version(step)
+        if version is not None:
+            self._step_counts[id(param)] = (step, version, count)
+
+    def _step_count(self, param: torch.Tensor, step: torch.Tensor) -> int:
+        """The count `param`'s "step" tensor holds, as a Python int (the bias correction's exponent).
+
+        The host copy answers while the state holds the very tensor this optimizer last advanced and
+        nothing wrote it since (its version counter says so): an ordinary step reads no tensor, which
+        for a step count on a device would be a sync per parameter. A tensor replaced (a loader, a
+        reset), written in place (DeepSpeed zeroing a partition's state) or never seen is read once.
+        Writes through `.data`, which bypass the version counter, are not seen: call
+        `reload_step_counts` after such a loader.
+        """
+        entry = self._step_counts.get(id(param))
+        if entry is not None and entry[0] is step and entry[1] == _version(step):
+            return entry[2]
+        return int(step.item())
+
+    def _advance_steps(self, advanced: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """Add one to each (param, step tensor, new count)'s step tensor in one multi-tensor call, as
+        torch's AdamW does, and remember the new counts."""
+        torch._foreach_add_([step for _, step, _ in advanced], 1)
+        for param, step, count in advanced:
+            self._remember_step(param, step, count)
+
+    def reload_step_counts(self) -> None:
+        """Read every parameter's step count from its state again (one read each; `load_state_dict`
+        calls it). For loaders that write the state's tensors through `.data`, which the version
+        counter the host copy trusts does not see."""
+        self._step_counts = {}
+        for param, state in self.state.items():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                self._remember_step(param, step, int(step.item()))
 
     def _moments(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         """The zeroed moment tensors (and 8-bit block size) of a new state: on the host when offloaded."""
@@ -338,48 +419,58 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        fused_enabled = _fused_enabled()
         for group in self.param_groups:
-            fused: dict[torch.device, list[list[torch.Tensor]]] = {}
+            fused: dict[torch.device, _FusedBatch] = {}
             streamed: dict[torch.device, list] = {}
             # 8-bit parameters per (device, block size, error feedback): one multi-tensor call each.
             eight_bit: dict[tuple[torch.device, int, bool], tuple[list, list, list, list]] = {}
+            # (param, step tensor, new count) of each parameter stepped; the tensors advance in one call
+            # before the fused kernel and the offloaded updates read them.
+            advanced: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+            offload = group["state_offload"] == "cpu"
             for param in group["params"]:
-                if param.grad is None:
+                grad = param.grad
+                if grad is None:
                     continue
-                local, grad = _local(param), _local(param.grad)
+                local, grad = _local(param), _local(grad)
                 if grad.is_sparse or torch.is_complex(local):
                     raise RuntimeError("hf_galore_plugin AdamW supports dense real tensors only.")
                 # Empty shards (FSDP1 / FSDP2 ranks past the last row) still get state and a step
                 # count, as torch's AdamW does, so every rank holds the same keys for checkpoints.
                 state = self.state[param] or self._init_state(param, group)
-                state["step"] += 1
+                step = self._step_count(param, state["step"]) + 1
+                advanced.append((param, state["step"], step))
                 if local.numel() == 0:
                     continue
-                if group["state_offload"] == "cpu":
-                    streamed.setdefault(local.device, []).extend(self._offloaded_chunks(local, grad, state, group))
+                if offload:
+                    chunks = self._offloaded_chunks(local, grad, state, group, step, fused_enabled)
+                    streamed.setdefault(local.device, []).extend(chunks)
                     continue
                 if "exp_avg" in state:
                     exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                    if _fusable(local, grad, exp_avg, exp_avg_sq):
-                        lists = fused.setdefault(local.device, [[], [], [], [], [], []])
-                        _add_fused(lists, (local, grad, exp_avg, exp_avg_sq), state["step"])
-                        continue
-                if "exp_avg" in state:
-                    adamw_step_fp32(local, grad, exp_avg, exp_avg_sq, **_hyper(group, state))
-                else:
-                    tensors = {k: _local(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
-                    key = (local.device, state["block_size"], RESIDUAL_STATE_KEYS[0] in tensors)
-                    params, grads, states, steps = eight_bit.setdefault(key, ([], [], [], []))
-                    params.append(local)
-                    grads.append(grad)
-                    states.append(tensors)
-                    steps.append(int(state["step"].item()))
+                    if fused_enabled and _fusable(local, grad, exp_avg, exp_avg_sq):
+                        batch = fused.get(local.device) or fused.setdefault(local.device, _FusedBatch())
+                        batch.add((local, grad, exp_avg, exp_avg_sq), state["step"], step)
+                    else:
+                        adamw_step_fp32(local, grad, exp_avg, exp_avg_sq, **_hyper(group, step))
+                    continue
+                residuals = RESIDUAL_STATE_KEYS[0] in state
+                params, grads, states, steps = eight_bit.setdefault(
+                    (local.device, state["block_size"], residuals), ([], [], [], [])
+                )
+                params.append(local)
+                grads.append(grad)
+                states.append(state if local is param else {k: _local(v) for k, v in state.items()})
+                steps.append(step)
+            if advanced:
+                self._advance_steps(advanced)
             for (_, block_size, _), (params, grads, states, steps) in eight_bit.items():
-                adamw_steps_8bit(params, grads, states, steps, block_size=block_size, **_hyper(group, None))
-            for lists in fused.values():
+                adamw_steps_8bit(params, grads, states, steps, block_size=block_size, **_hyper(group))
+            for batch in fused.values():
                 # torch's multi-tensor fused AdamW kernel: one call for every fp32 tensor of the group
                 # (no per-tensor Python).
-                _run_fused(lists, group)
+                batch.run(group)
             for device, chunks in streamed.items():
                 if device not in self._streamers:
                     self._streamers[device] = StateStreamer(device, self._chunk_bytes)
@@ -387,7 +478,13 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _offloaded_chunks(
-        self, local: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+        self,
+        local: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+        fused_enabled: bool,
     ) -> list[tuple[dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], None]]]:
         """(host state slices, update of those values) for each chunk of an offloaded parameter.
 
@@ -396,10 +493,10 @@ class AdamW(torch.optim.Optimizer):
         block_size = state.get("block_size")
         fp32 = "exp_avg" in state
         # Decided on whole tensors, exactly as the resident step decides.
-        fusable = fp32 and _fusable(local, grad, state["exp_avg"], state["exp_avg_sq"])
+        fusable = fp32 and fused_enabled and _fusable(local, grad, state["exp_avg"], state["exp_avg_sq"])
         values = local.view(-1) if local.is_contiguous() else local.contiguous().view(-1)
         grads = grad.reshape(-1)
-        hyper = _hyper(group, state)
+        hyper = _hyper(group, step)
         align = math.lcm(_FUSED_ALIGN, block_size or 1)
         bounds = chunk_bounds(values.numel(), bytes_per_value(state, block_size), self._chunk_bytes, align)
         chunks = []
@@ -408,9 +505,9 @@ class AdamW(torch.optim.Optimizer):
 
             def update(staged, part=part, part_grad=part_grad):
                 if fusable:
-                    lists: list[list] = [[], [], [], [], [], []]
-                    _add_fused(lists, (part, part_grad, staged["exp_avg"], staged["exp_avg_sq"]), state["step"])
-                    _run_fused(lists, group)
+                    batch = _FusedBatch()
+                    batch.add((part, part_grad, staged["exp_avg"], staged["exp_avg_sq"]), state["step"], step)
+                    batch.run(group)
                 elif fp32:
                     adamw_step_fp32(part, part_grad, staged["exp_avg"], staged["exp_avg_sq"], **hyper)
                 else:
@@ -456,6 +553,7 @@ class AdamW(torch.optim.Optimizer):
                 key: _place(value, param, offload) if isinstance(value, torch.Tensor) and key != "step" else value
                 for key, value in saved.items()
             }
+        self.reload_step_counts()
 
     @torch.no_grad()
     def initialize_state(self) -> None:
@@ -474,6 +572,7 @@ class AdamW(torch.optim.Optimizer):
     def reset_state(self, param: torch.Tensor) -> None:
         """Forget `param`'s state; its next step starts from zero moments at step 1."""
         self.state.pop(param, None)
+        self._step_counts.pop(id(param), None)
 
     def transform_state(
         self, param: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -253,7 +253,7 @@ def _cpp_books() -> tuple[torch.Tensor, ...]:
 
 def _cpp_applies(param: torch.Tensor, grad: torch.Tensor) -> bool:
     return (
-        param.device.type == "cpu"
+        param.is_cpu
         and param.dtype == torch.float32
         and grad.dtype == torch.float32
         and param.is_contiguous()
@@ -562,26 +562,19 @@ def adamw8bit_step(
     torch.ops.hf_galore.adamw8bit_step(*tensors, **hyper)
 
 
-_MULTI_MUTATED = (
-    "params", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales",
-    "exp_avg_residual_codes", "exp_avg_residual_scales", "exp_avg_sq_residual_codes", "exp_avg_sq_residual_scales",
-)  # fmt: skip
-
-
 def _step_each(
     lists: tuple[list[torch.Tensor], ...], steps: list[int], hyper: dict[str, Any], *, twins: bool = False
 ) -> None:
     """`adamw8bit_step_multi` one parameter at a time: the Triton kernel where it applies, else the torch
-    step (always the torch step with `twins`)."""
+    step (always the torch step with `twins`), each on 1-D views."""
     residuals = bool(lists[6])
     for i, step in enumerate(steps):
-        tensors = [lst[i] for lst in lists[:6]] + [lst[i] if residuals else None for lst in lists[6:]]
+        tensors = [lst[i].view(-1) for lst in lists[:6]] + [lst[i].view(-1) if residuals else None for lst in lists[6:]]
         step_fn = adamw8bit_step_triton if not twins and use_triton(tensors[0]) else adamw8bit_step_torch
         step_fn(*tensors, step=step, **hyper)
 
 
-@torch.library.custom_op("hf_galore::adamw8bit_step_multi", mutates_args=_MULTI_MUTATED)
-def _adamw8bit_step_multi_op(
+def _adamw8bit_step_multi_impl(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avg_codes: list[torch.Tensor],
@@ -600,7 +593,8 @@ def _adamw8bit_step_multi_op(
     weight_decay: float,
     block_size: int,
 ) -> None:
-    """The parameters that take the C++ step in one C++ call, the others one at a time."""
+    """The op's kernel on every device: the parameters that take the C++ step in one C++ call, the others
+    one at a time."""
     lists = (
         params, grads, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
         exp_avg_residual_codes, exp_avg_residual_scales, exp_avg_sq_residual_codes, exp_avg_sq_residual_scales,
@@ -610,16 +604,30 @@ def _adamw8bit_step_multi_op(
     # parameters it applies to (CUDA; the CPU under TRITON_INTERPRET=1), as for one parameter.
     chosen: list[int] = []
     if params and _compile_enabled() and not _is_traced(params[0], grads[0]):
-        chosen = [i for i, (p, g) in enumerate(zip(params, grads)) if _cpp_applies(p, g) and not use_triton(p)]
-    done: set[int] = set()
+        # Whether Triton takes a CPU tensor is a setting, the same for every one: asked once.
+        triton_on_cpu = None
+        for i, (param, grad) in enumerate(zip(params, grads)):
+            if _cpp_applies(param, grad):
+                if triton_on_cpu is None:
+                    triton_on_cpu = use_triton(param)
+                if not triton_on_cpu:
+                    chosen.append(i)
+    count = len(params)
     if chosen:
         rows = {step: _scalar_row(step, lr, beta1, beta2, eps, weight_decay) for step in {steps[i] for i in chosen}}
-        scalars = torch.tensor([rows[steps[i]] for i in chosen], dtype=torch.float32)
-        if _run_cpp(*_pick(lists, chosen), scalars, *_cpp_books(), block_size):
-            done = set(chosen)
-    rest = [i for i in range(len(params)) if i not in done]
-    if rest:
-        _step_each(_pick(lists, rest), [steps[i] for i in rest], hyper)
+        if len(rows) == 1:  # every parameter at one step count: one row, repeated
+            (row,) = rows.values()
+            scalars = torch.tensor(row, dtype=torch.float32).expand(len(chosen), -1).contiguous()
+        else:
+            scalars = torch.tensor([rows[steps[i]] for i in chosen], dtype=torch.float32)
+        picked = lists if len(chosen) == count else _pick(lists, chosen)
+        if _run_cpp(*picked, scalars, *_cpp_books(), block_size):
+            if len(chosen) == count:
+                return
+            rest = sorted(set(range(count)) - set(chosen))
+            _step_each(_pick(lists, rest), [steps[i] for i in rest], hyper)
+            return
+    _step_each(lists, steps, hyper)
 
 
 def _pick(lists: tuple[list[torch.Tensor], ...], indices) -> tuple[list[torch.Tensor], ...]:
@@ -627,7 +635,44 @@ def _pick(lists: tuple[list[torch.Tensor], ...], indices) -> tuple[list[torch.Te
     return tuple([lst[i] for i in indices] if lst else [] for lst in lists)
 
 
-@_adamw8bit_step_multi_op.register_fake
+# The multi-tensor step is declared with torch.library.Library, not the custom_op decorator: custom_op
+# wraps each call in a Python autograd function and a Python ADInplaceOrView kernel that walk every
+# tensor of every list (measured on one CPU thread: 0.25 ms per call plus ~11 us per parameter, more
+# than the C++ step of a small model's whole group). The schema, the kernel on every device and the fake
+# registration are those custom_op would make; one ADInplaceOrView kernel bumps the version counters
+# of the mutated tensors, as every in-place op does.
+_LIB = torch.library.Library("hf_galore", "FRAGMENT")
+_MULTI_SCHEMA = (
+    "adamw8bit_step_multi(Tensor(a0!)[] params, Tensor[] grads, Tensor(a2!)[] exp_avg_codes, "
+    "Tensor(a3!)[] exp_avg_scales, Tensor(a4!)[] exp_avg_sq_codes, Tensor(a5!)[] exp_avg_sq_scales, "
+    "Tensor(a6!)[] exp_avg_residual_codes, Tensor(a7!)[] exp_avg_residual_scales, "
+    "Tensor(a8!)[] exp_avg_sq_residual_codes, Tensor(a9!)[] exp_avg_sq_residual_scales, SymInt[] steps, "
+    "float lr, float beta1, float beta2, float eps, float weight_decay, SymInt block_size) -> ()"
+)
+_LIB.define(_MULTI_SCHEMA)
+_LIB.impl("adamw8bit_step_multi", _adamw8bit_step_multi_impl, "CompositeExplicitAutograd")
+_MULTI_OP = torch.ops.hf_galore.adamw8bit_step_multi.default
+
+
+def _increment_versions(tensors: list[torch.Tensor]) -> None:
+    try:
+        torch.autograd.graph.increment_version(tensors)  # one call for the list where torch takes a list
+    except TypeError:  # torch versions that take one tensor
+        for tensor in tensors:
+            torch.autograd.graph.increment_version(tensor)
+
+
+def _adamw8bit_step_multi_inplace(keyset, params, grads, *rest) -> None:
+    """ADInplaceOrView kernel: bump the version of every tensor the step writes (first, as custom_op does,
+    so a step that fails halfway still marks them), then run the kernel."""
+    _increment_versions([t for tensors in (params, *rest[:8]) for t in tensors])
+    _MULTI_OP.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, params, grads, *rest)
+
+
+_LIB.impl("adamw8bit_step_multi", _adamw8bit_step_multi_inplace, "ADInplaceOrView", with_keyset=True)
+
+
+@torch.library.register_fake("hf_galore::adamw8bit_step_multi", lib=_LIB)
 def _adamw8bit_step_multi_fake(*args) -> None:
     """Every tensor is updated in place and nothing is allocated."""
 
@@ -647,9 +692,11 @@ def adamw8bit_step_multi(
 ) -> None:
     """`adamw8bit_step` for many parameters of one device at once: `states[i]` holds parameter i's
     four state tensors (codes and scales of both moments) or eight (with the residuals of error
-    feedback, then for every parameter), `steps[i]` its step count. One call of
-    `torch.ops.hf_galore.adamw8bit_step_multi`, which on the CPU steps every block of the list in one
-    C++ call: per parameter the results are bit-identical to `adamw8bit_step`'s."""
+    feedback, then for every parameter), `steps[i]` its step count. Every tensor is contiguous, of any
+    shape (parameter, gradient and codes of one parameter hold the same number of values; scales are
+    1-D). One call of `torch.ops.hf_galore.adamw8bit_step_multi`, which on the CPU steps every block of
+    the list in one C++ call: per parameter the results are bit-identical to `adamw8bit_step`'s on the
+    flattened tensors."""
     count = len(params)
     if not (len(grads) == len(states) == len(steps) == count):
         raise ValueError(
@@ -663,6 +710,9 @@ def adamw8bit_step_multi(
             " (with the residuals) for every parameter of one call"
         )
     columns = [list(column) for column in zip(*states)] if states else [[] for _ in range(4)]
+    # The kernels read state tensors as flat memory (the torch step views them 1-D).
+    if not all(t.is_contiguous() for column in columns for t in column):
+        raise ValueError("adamw8bit_step_multi: every state tensor must be contiguous; pass t.contiguous()")
     columns += [[] for _ in range(8 - len(columns))]
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size)
     if KERNEL_DISPATCH.inline_twins:

@@ -20,6 +20,7 @@ RESIDUAL_STATE_KEYS = (
     "exp_avg_sq_residual_codes",
     "exp_avg_sq_residual_scales",
 )
+_KEYS_WITH_RESIDUALS = EIGHT_BIT_STATE_KEYS + RESIDUAL_STATE_KEYS
 
 
 def adamw_step_fp32(
@@ -91,40 +92,28 @@ def adamw_steps_8bit(
     block_size: int,
 ) -> None:
     """`adamw_step_8bit` for many parameters of one device, one block size and one error-feedback
-    setting, in one `adamw8bit_step_multi` call (per parameter bit-identical to `adamw_step_8bit`)."""
-    flats, state_lists = [], []
+    setting, in one `adamw8bit_step_multi` call (per parameter bit-identical to `adamw_step_8bit`).
+
+    Tensors go in as they are (the op takes contiguous tensors of any shape): a view per tensor per
+    step would cost more Python than the C++ step of a small parameter. A non-contiguous parameter
+    steps in a contiguous copy, written back after."""
+    works, state_lists, written_back = [], [], []
     for param, state in zip(params, states):
-        flat, state_tensors = _flat_8bit(param, state, block_size)
-        flats.append(flat)
-        state_lists.append(state_tensors)
+        work = param if param.is_contiguous() else param.contiguous()
+        if work is not param:
+            written_back.append((param, work))
+        works.append(work)
+        keys = _KEYS_WITH_RESIDUALS if RESIDUAL_STATE_KEYS[0] in state else EIGHT_BIT_STATE_KEYS
+        tensors = tuple(state[key] for key in keys)
+        # Scales may be longer than the parameter's block count (a DTensor shard pads to the largest
+        # shard's count); they are 1-D, so a cut is a slice.
+        n_blocks = -(-work.numel() // block_size)
+        if tensors[1].numel() != n_blocks:
+            tensors = tuple(t[:n_blocks] if key.endswith("scales") else t for key, t in zip(keys, tensors))
+        state_lists.append(tensors)
     adamw8bit_step_multi(
-        flats, [_flat(grad.contiguous()) for grad in grads], state_lists,
+        works, [grad if grad.is_contiguous() else grad.contiguous() for grad in grads], state_lists,
         steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size,
     )  # fmt: skip
-    for param, flat in zip(params, flats):
-        if not param.is_contiguous():
-            param.copy_(flat.view(param.shape))
-
-
-def _flat_8bit(
-    param: torch.Tensor, state: dict[str, torch.Tensor], block_size: int
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The flat parameter (a contiguous copy where it is not contiguous) and its 4 state tensors (8 with
-    error feedback) in the kernels' order, scales cut to the parameter's block count."""
-    flat = _flat(param.contiguous())
-    n_blocks = -(-flat.numel() // block_size)
-    keys = EIGHT_BIT_STATE_KEYS + (RESIDUAL_STATE_KEYS if RESIDUAL_STATE_KEYS[0] in state else ())
-    tensors = []
-    for key in keys:
-        tensor = _flat(state[key])
-        # Scales may be longer than n_blocks (a DTensor shard pads to the largest shard's count).
-        if key.endswith("scales") and tensor.numel() != n_blocks:
-            tensor = tensor[:n_blocks]
-        tensors.append(tensor)
-    return flat, tuple(tensors)
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of a contiguous tensor (itself when it is 1-D: a view costs a few microseconds, and
-    a step of many small parameters makes several per parameter)."""
-    return tensor if tensor.dim() == 1 else tensor.view(-1)
+    for param, work in written_back:
+        param.copy_(work)
