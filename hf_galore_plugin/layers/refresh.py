@@ -1,6 +1,6 @@
 """A GaLore layer's basis refresh: what a refresh step records, and the refresh itself.
 
-Recording (in the refresh step's backward, from :class:`~.function.GaLoreLinearFunction`): the dense fp32
+Recording (in the refresh step's backward, a hook on the output of :func:`~.function.galore_linear`): the dense fp32
 gradient G = dy^T x, or with ``basis_method='sketch'`` one streaming sketch per basis side, summed over
 micro-batches. The refresh (after the optimizer step): average the record over data-parallel ranks,
 compute the new bases (:mod:`hf_galore_plugin.projection`), fold the factor B into W0, install the bases,
