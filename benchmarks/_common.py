@@ -135,18 +135,6 @@ def _galore_torch_groups(model: nn.Module, setup: MethodSetup) -> list[dict[str,
     ]
 
 
-def _galore_rate_groups(model: nn.Module, setup: MethodSetup, lr: float) -> list[dict[str, Any]]:
-    """Plain AdamW at the learning rates a GaLore run gives each parameter: the matrices GaLore projects
-    at lr * scale (their weights move by lr * scale per unit of normalised update), everything else
-    (embeddings, norms, head) at lr. It separates GaLore's effect from its per-group rates."""
-    names = {f"{n}.weight" for n in target_names(model, setup.targets_regex)}
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [
-        {"params": [p for n, p in named if n not in names], "lr": lr, "weight_decay": 0.0},
-        {"params": [p for n, p in named if n in names], "lr": lr * setup.galore_scale, "weight_decay": 0.0},
-    ]
-
-
 def galore_lr_multiplier(config: Any, step: int, steps: int) -> float:
     """The factor the Trainer integration (GaLoreCallback.multiplier_at) applies to the GaLore groups'
     learning rate before optimizer step `step` of `steps`: lr_scale, recovering linearly to 1 over
@@ -189,7 +177,11 @@ def setup_method(
     if method == "adamw":
         optimizer = torch.optim.AdamW(param_groups(model, setup, lr), **common)
     elif method == "adamw_galore_rates":
-        optimizer = torch.optim.AdamW(_galore_rate_groups(model, setup, lr), **common)
+        # examples/demo.py trains the same baseline; quality.py puts examples/ on sys.path
+        from demo import galore_rate_groups
+
+        projected = target_names(model, setup.targets_regex)
+        optimizer = torch.optim.AdamW(galore_rate_groups(model, projected, lr=lr, scale=setup.galore_scale), **common)
     elif method == "bnb_adamw8bit":
         import bitsandbytes as bnb
 
