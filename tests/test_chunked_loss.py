@@ -1,0 +1,263 @@
+"""The chunked linear cross-entropy (hf_galore_plugin.loss) against the model's own loss, torch's
+cross_entropy and the Trainer's LabelSmoother, its peak memory, and its installation on a model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_galore_plugin import GaLoreConfig, merge_and_unload, prepare_model
+from hf_galore_plugin.loss import (
+    chunked_loss_settings,
+    disable_chunked_loss,
+    enable_chunked_loss,
+    linear_cross_entropy,
+)
+from hf_galore_plugin.plan.tracker import LiveBytes
+
+pytest.importorskip("transformers")
+
+VOCAB = 32000  # the issue's setting: a tiny Llama with a 32k vocabulary
+# fp32: the chunked sums and the plain reduction add the same fp32 terms in another order; at 48 tokens and
+# losses ~10 the difference is a few ulps (measured: 2e-6 on the loss, 4e-7 on gradients).
+FP32_TOL = 1e-5
+
+
+def _llama(tiny_llama, **overrides):
+    return tiny_llama(vocab_size=VOCAB, max_position_embeddings=128, **overrides).train()
+
+
+def _batch(seed=2, batch=2, length=24):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # a masked prompt
+    labels[1, -3:] = -100  # padding
+    return ids, labels
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close(got: dict, want: dict, tol: float) -> None:
+    assert got.keys() == want.keys()
+    worst = max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+    assert worst <= tol, worst
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 46, 1000])  # one token; not dividing 46 rows; one chunk; larger than N
+def test_loss_and_gradients_equal_the_models_own(tiny_llama, chunk):
+    # Oracle: the model's own forward (transformers' ForCausalLMLoss on the full logits), masked labels included.
+    reference = _llama(tiny_llama)
+    chunked = enable_chunked_loss(copy.deepcopy(reference), chunk_tokens=chunk)
+    ids, labels = _batch()
+    want = reference(input_ids=ids, labels=labels)
+    want.loss.backward()
+    got = chunked(input_ids=ids, labels=labels)
+    got.loss.backward()
+    assert got.logits is None
+    assert abs(got.loss.item() - want.loss.item()) <= FP32_TOL
+    _assert_close(_grads(chunked), _grads(reference), FP32_TOL)
+
+
+def test_num_items_in_batch_and_shift_labels_reduce_as_transformers_does(tiny_llama):
+    # Oracle: the model's own loss with the same keyword arguments (the Trainer passes num_items_in_batch under
+    # gradient accumulation; sequence-parallel collators pass shift_labels).
+    reference = _llama(tiny_llama)
+    chunked = enable_chunked_loss(copy.deepcopy(reference), chunk_tokens=5)
+    ids, labels = _batch()
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    for kwargs in ({"num_items_in_batch": torch.tensor(100)}, {"shift_labels": shifted, "num_items_in_batch": 77}):
+        reference.zero_grad()
+        chunked.zero_grad()
+        want = reference(input_ids=ids, labels=labels, **kwargs)
+        want.loss.backward()
+        got = chunked(input_ids=ids, labels=labels, **kwargs)
+        got.loss.backward()
+        assert abs(got.loss.item() - want.loss.item()) <= FP32_TOL, kwargs
+        _assert_close(_grads(chunked), _grads(reference), FP32_TOL)
+
+
+@pytest.mark.parametrize("num_items", [None, 60])
+def test_label_smoothing_equals_the_trainers_label_smoother(tiny_llama, num_items):
+    # Two oracles: transformers' LabelSmoother on the model's full logits (what the Trainer computes with
+    # label_smoothing_factor) and torch's cross_entropy(label_smoothing=...).
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    reference = _llama(tiny_llama)
+    chunked = enable_chunked_loss(copy.deepcopy(reference), chunk_tokens=9, label_smoothing=0.1)
+    ids, labels = _batch()
+    outputs = reference(input_ids=ids)
+    want = LabelSmoother(epsilon=0.1)(outputs, labels, shift_labels=True, num_items_in_batch=num_items)
+    want.backward()
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    torch_loss = F.cross_entropy(outputs.logits.detach().flatten(0, 1), shifted.flatten(), label_smoothing=0.1,
+                                 reduction="mean" if num_items is None else "sum")  # fmt: skip
+    torch_loss = torch_loss if num_items is None else torch_loss / num_items
+    kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
+    got = chunked(input_ids=ids, labels=labels, **kwargs)
+    got.loss.backward()
+    assert abs(got.loss.item() - want.item()) <= FP32_TOL
+    assert abs(got.loss.item() - torch_loss.item()) <= FP32_TOL
+    _assert_close(_grads(chunked), _grads(reference), FP32_TOL)
+
+
+@pytest.mark.parametrize("preset", ["galore_adamw", "qgalore_adamw_8bit"])
+def test_a_galore_head_gets_the_gradients_and_the_refresh_record_of_the_unchunked_loss(tiny_llama, preset):
+    # The head is a GaLoreLinear (target_modules selects lm_head; NF4 W0 and an INT4 basis under Q-GaLore):
+    # the chunked loss goes through the module. Oracle: the same prepared model without the chunked loss.
+    # Step 0 is every layer's calibration: the backward records the head's dense gradient, which the chunked
+    # loss must record too (summed over chunks), and the factor gradient of a basis-less step is zero; so a
+    # first basis is set and the factor made nonzero, then a second step compares the factor gradients.
+    base = _llama(tiny_llama)
+    config = GaLoreConfig.preset(preset, rank=8, target_modules=["lm_head", "q_proj"], weight_storage="nf4"
+                                 if preset == "qgalore_adamw_8bit" else "as_loaded")  # fmt: skip
+    reference = prepare_model(copy.deepcopy(base), config)
+    chunked = prepare_model(copy.deepcopy(base), config.replace(chunked_loss=True, chunked_loss_tokens=11))
+    assert type(chunked.lm_head).__name__ == "GaLoreLinear"
+    ids, labels = _batch()
+    for model in (reference, chunked):
+        model(input_ids=ids, labels=labels).loss.backward()
+    want, got = reference.lm_head._pending_grad, chunked.lm_head._pending_grad
+    assert (got - want).abs().max().item() <= FP32_TOL * want.abs().max().item()
+    torch.manual_seed(3)
+    basis = torch.linalg.qr(torch.randn(64, 8))[0]
+    factor = torch.randn_like(reference.lm_head.galore_factor) * 0.1
+    for model in (reference, chunked):
+        model.zero_grad()
+        model.lm_head._pending_grad = None
+        with torch.no_grad():
+            model.lm_head._set_basis("right", basis)
+            model.lm_head.galore_factor.copy_(factor)
+        model(input_ids=ids, labels=labels).loss.backward()
+    _assert_close(_grads(chunked), _grads(reference), FP32_TOL)
+    assert chunked.lm_head.galore_factor.grad.abs().max() > 0
+
+
+def test_bf16_gradients_stay_within_bf16_rounding_of_the_unchunked(tiny_llama):
+    # bf16: both paths round the head's matmuls to bf16; the chunked weight gradient is rounded once per chunk
+    # (addmm_ into a bf16 buffer), the plain one once. Bound: a few bf16 ulps (2^-8 relative) of each tensor's
+    # largest value.
+    reference = _llama(tiny_llama).to(torch.bfloat16)
+    chunked = enable_chunked_loss(copy.deepcopy(reference), chunk_tokens=8)
+    ids, labels = _batch()
+    want = reference(input_ids=ids, labels=labels)
+    want.loss.backward()
+    got = chunked(input_ids=ids, labels=labels)
+    got.loss.backward()
+    assert abs(got.loss.item() - want.loss.item()) <= 2**-7 * want.loss.item()
+    want_grads, got_grads = _grads(reference), _grads(chunked)
+    for name, g in want_grads.items():
+        assert (got_grads[name].float() - g.float()).abs().max() <= 4 * 2**-8 * g.float().abs().max(), name
+
+
+def _step_peak(run, inputs) -> tuple[int, int]:
+    """(peak, live at the start) in bytes of `run()` measured by the planner's live-storage tracker; `inputs`
+    (made before it) are counted from the start (the tracker counts a storage from the first op that sees it)."""
+    with LiveBytes() as tracker:
+        for tensor in inputs:
+            tracker.track(tensor)
+        start = tracker.total
+        run()
+        return tracker.peak, start
+
+
+def test_peak_is_at_most_three_chunks_of_fp32_logits_above_the_irreducible_bytes():
+    # Oracle: arithmetic. A loss step must hold its inputs (hidden states, head weight) and produce their
+    # gradients (N x H, V x H); the chunked loss may add at most 3 x chunk x V x 4 bytes on top (the issue's
+    # bound). The plain loss (full fp32 logits, log-softmax, their gradient) exceeds it: the test tells them apart.
+    tokens, hidden_size, chunk = 512, 64, 32
+    torch.manual_seed(0)
+    head = nn.Linear(hidden_size, VOCAB, bias=False)
+    targets = torch.randint(0, VOCAB, (tokens,))
+    bound = 3 * chunk * VOCAB * 4
+
+    def measure(loss_fn) -> int:
+        hidden = torch.randn(tokens, hidden_size, requires_grad=True)
+        head.weight.grad = None
+
+        def run():
+            loss_fn(hidden).backward()
+
+        peak, start = _step_peak(run, [hidden, targets, head.weight])
+        outputs = hidden.numel() * 4 + head.weight.numel() * 4  # hidden.grad, head.weight.grad
+        return peak - start - outputs
+
+    chunked = measure(lambda h: linear_cross_entropy(h, head, targets, chunk_tokens=chunk))
+    plain = measure(lambda h: F.cross_entropy(head(h).float(), targets))
+    assert chunked <= bound, (chunked, bound)
+    assert plain > bound
+
+
+def test_model_step_peak_grows_by_at_most_three_chunks_of_logits(tiny_llama):
+    # The same bound on a whole training step of the tiny Llama: against the step through the same code with
+    # one token per chunk (the model's own bytes plus its gradients; one chunk of logits is V x 4 bytes), a chunk
+    # of c tokens adds at most 3 x c x V x 4 bytes. The model's own loss adds far more.
+    model = _llama(tiny_llama)
+    ids = torch.randint(0, VOCAB, (2, 256), generator=torch.Generator().manual_seed(0))
+    chunk = 64
+
+    def peak(chunk_tokens):
+        if chunk_tokens is None:
+            disable_chunked_loss(model)
+        else:
+            enable_chunked_loss(model, chunk_tokens=chunk_tokens)
+        model.zero_grad(set_to_none=True)
+        return _step_peak(lambda: model(input_ids=ids, labels=ids).loss.backward(), [ids, *model.parameters()])[0]
+
+    one, chunked, plain = peak(1), peak(chunk), peak(None)
+    bound = 3 * chunk * VOCAB * 4
+    assert chunked - one <= bound, (chunked - one, bound)
+    assert plain - one > 2 * bound
+
+
+def test_calls_without_labels_or_without_autograd_are_the_models_own(tiny_llama):
+    model = enable_chunked_loss(_llama(tiny_llama), chunk_tokens=4)
+    ids, labels = _batch()
+    assert model(input_ids=ids).logits.shape == (2, 24, VOCAB)
+    with torch.no_grad():
+        evaluated = model(input_ids=ids, labels=labels)
+    assert evaluated.logits.shape == (2, 24, VOCAB) and evaluated.loss is not None
+    assert model(input_ids=ids, labels=labels, return_dict=False)[0].ndim == 0
+
+
+def test_enable_disable_and_prepare_model_round_trip(tiny_llama):
+    model = _llama(tiny_llama)
+    plain_forward = model.forward
+    enable_chunked_loss(model, chunk_tokens=16)
+    assert chunked_loss_settings(model) == {"chunk_tokens": 16, "label_smoothing": 0.0}
+    import inspect
+
+    assert inspect.signature(model.forward) == inspect.signature(plain_forward)  # what the Trainer inspects
+    disable_chunked_loss(model)
+    assert chunked_loss_settings(model) is None and "forward" not in model.__dict__
+    prepare_model(model, GaLoreConfig(rank=8, chunked_loss=True))
+    assert chunked_loss_settings(model) == {"chunk_tokens": None, "label_smoothing": 0.0}
+    merge_and_unload(model)
+    assert chunked_loss_settings(model) is None
+
+
+def test_models_whose_logits_are_not_the_heads_output_are_refused(tiny_llama):
+    model = _llama(tiny_llama)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=30\.0.*leave chunked_loss off"):
+        enable_chunked_loss(model)
+    with pytest.raises(ValueError, match=r"final_logit_softcapping"):
+        prepare_model(model, GaLoreConfig(rank=8, chunked_loss=True))
+    assert not any(type(m).__name__ == "GaLoreLinear" for m in model.modules())  # refused before replacing
+
+
+def test_bad_settings_name_the_value_and_the_fix():
+    with pytest.raises(ValueError, match=r"chunk_tokens=0 is invalid: use a positive number"):
+        linear_cross_entropy(torch.zeros(2, 4), nn.Linear(4, 8), torch.zeros(2, dtype=torch.long), chunk_tokens=0)
+    with pytest.raises(ValueError, match=r"label_smoothing=1\.0 is invalid"):
+        linear_cross_entropy(torch.zeros(2, 4), nn.Linear(4, 8), torch.zeros(2, dtype=torch.long), label_smoothing=1.0)
+    with pytest.raises(ValueError, match=r"chunked_loss_tokens=64 is invalid: it sizes the chunked loss only"):
+        GaLoreConfig(chunked_loss_tokens=64)
+    with pytest.raises(ValueError, match=r"do not align"):
+        linear_cross_entropy(torch.zeros(2, 3, 4), nn.Linear(4, 8), torch.zeros(2, 4, dtype=torch.long))
