@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import RANK_ARGS, logged_losses, token_data, training_args
 from hf_galore_plugin import GaLoreConfig, merge_and_unload, prepare_model
 from hf_galore_plugin.loss import (
     chunked_loss_settings,
@@ -267,3 +268,43 @@ def test_bad_settings_name_the_value_and_the_fix():
         GaLoreConfig(chunked_loss_tokens=64)
     with pytest.raises(ValueError, match=r"do not align"):
         linear_cross_entropy(torch.zeros(2, 3, 4), nn.Linear(4, 8), torch.zeros(2, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------- the Trainer
+def _trainer(tiny_llama, tmp_path, optim_args, **overrides):
+    from transformers import Trainer
+
+    model = tiny_llama().train()
+    args = training_args(tmp_path, optim_args=optim_args, max_steps=3, **overrides)
+    return Trainer(model=model, args=args, train_dataset=token_data(12))
+
+
+def test_trainer_label_smoothing_moves_into_the_chunked_loss(tiny_llama, tmp_path):
+    # Oracle: the same run with the Trainer's own LabelSmoother on full logits. Equal per-step losses (fp32; the
+    # chunked and plain gradients differ by fp32 rounding, which three Adam steps keep at ~1e-6).
+    plain = _trainer(tiny_llama, tmp_path / "plain", RANK_ARGS, label_smoothing_factor=0.1)
+    chunked = _trainer(tiny_llama, tmp_path / "chunked", RANK_ARGS + ",chunked_loss=true,chunked_loss_tokens=8",
+                       label_smoothing_factor=0.1)  # fmt: skip
+    assert plain.label_smoother is not None and chunked.label_smoother is None
+    assert chunked_loss_settings(chunked.model) == {"chunk_tokens": 8, "label_smoothing": 0.1}
+    plain.train()
+    chunked.train()
+    want, got = logged_losses(plain), logged_losses(chunked)
+    assert want.keys() == got.keys() == {1, 2, 3}
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-4, (step, got[step], want[step])
+
+
+def test_trainer_refuses_liger_fused_cross_entropy_with_a_galore_head(tiny_llama, tmp_path):
+    # Liger's fused linear cross-entropy reads lm_head.weight: with a GaLore head that is W0 without the factor.
+    with pytest.raises(ValueError, match=r"use_liger_kernel=True .*lm_head\.weight.*fused_linear_cross_entropy"):
+        _trainer(tiny_llama, tmp_path, RANK_ARGS + ",target_modules=lm_head+q_proj", use_liger_kernel=True)
+    # With Liger's fused loss off, the plugin's chunked loss serves the GaLore head.
+    trainer = _trainer(tiny_llama, tmp_path, RANK_ARGS + ",target_modules=lm_head+q_proj,chunked_loss=true",
+                       use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False})  # fmt: skip
+    assert chunked_loss_settings(trainer.model) is not None
+
+
+def test_trainer_leaves_a_plain_head_to_liger(tiny_llama, tmp_path):
+    trainer = _trainer(tiny_llama, tmp_path, RANK_ARGS + ",chunked_loss=true", use_liger_kernel=True)
+    assert chunked_loss_settings(trainer.model) is None
