@@ -67,6 +67,14 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
         "staggered phases + streaming sketch",
         {"refresh_schedule": "staggered", "basis_method": "sketch"},
     ),
+    "galore_head": (
+        "the output head projected too (GaLore lm_head: 1024 x 128 here, rank 32; untied, as at 128k vocabularies)",
+        {"target_modules": quality.TARGETS + "|lm_head"},
+    ),
+    "chunked_loss": (
+        "chunked loss (64 tokens per chunk): the same loss, another summation order",
+        {"chunked_loss": True, "chunked_loss_tokens": 64},
+    ),
 }
 
 
