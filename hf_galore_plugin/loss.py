@@ -98,12 +98,12 @@ def _cross_entropy_rows_(
     valid = targets != ignore_index
     safe = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
     picked = z.gather(1, safe).squeeze(1)
-    mean = z.mean(1) if label_smoothing else None
+    # The smoothing term reads z before it is overwritten (a length-c vector, computed only when used).
+    smoothed = (1.0 - label_smoothing) * picked + label_smoothing * z.mean(1) if label_smoothing else picked
     peak = z.amax(1, keepdim=True)
     z.sub_(peak).exp_()
     total = z.sum(1, keepdim=True)
-    lse = (peak + total.log()).squeeze(1)
-    rows = lse - picked if not label_smoothing else lse - (1.0 - label_smoothing) * picked - label_smoothing * mean
+    rows = (peak + total.log()).squeeze(1) - smoothed
     z.div_(total)
     z.scatter_add_(1, safe, torch.full_like(picked, -(1.0 - label_smoothing)).unsqueeze(1))
     if label_smoothing:
@@ -140,12 +140,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, inv_denominator, spec: _Spec, weight, bias, *params):
         needs = ctx.needs_input_grad
-        plain = spec.head_forward is None
+        # Any: each of these is set (not None) exactly on the branches that use it, which mypy cannot follow.
+        head_forward: Any = spec.head_forward
+        plain = head_forward is None
         want_hidden = needs[0]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = grad_bias = None
+        grad_hidden: Any = torch.empty_like(hidden) if want_hidden else None
+        grad_weight: Any = None
+        grad_bias: Any = None
         param_grads: list[Optional[torch.Tensor]] = []
-        w = b = None
+        w: Any = None
+        b: Any = None
         if plain:
             dtype = _compute_dtype(weight)
             # One cast for the whole loop where autocast computes in a lower precision (what autocast's own
@@ -179,7 +183,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 h_in = h.detach().requires_grad_(want_hidden)
                 with torch.enable_grad():
-                    logits = spec.head_forward(h_in)
+                    logits = head_forward(h_in)
                 # The module's output stays the root of its autograd graph: the math runs in a copy.
                 z = logits.detach().to(torch.float32, copy=True)
             rows, valid = _cross_entropy_rows_(z, targets[start:stop], spec.label_smoothing, spec.ignore_index)
@@ -263,7 +267,8 @@ def linear_cross_entropy(
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     targets1 = targets.reshape(-1).to(hidden.device)
     plain = type(head) is nn.Linear
-    vocab = head.out_features if plain else getattr(head, "out_features", None)
+    # nn.Linear and GaLoreLinear both name their output width out_features.
+    vocab: Optional[int] = getattr(head, "out_features", None)
     if chunk_tokens is None:
         if vocab is None:
             raise ValueError(

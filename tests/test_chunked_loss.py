@@ -308,3 +308,47 @@ def test_trainer_refuses_liger_fused_cross_entropy_with_a_galore_head(tiny_llama
 def test_trainer_leaves_a_plain_head_to_liger(tiny_llama, tmp_path):
     trainer = _trainer(tiny_llama, tmp_path, RANK_ARGS + ",chunked_loss=true", use_liger_kernel=True)
     assert chunked_loss_settings(trainer.model) is None
+
+
+# ---------------------------------------------------------------------- the planner
+def test_planner_traces_the_chunked_loss_as_a_real_cpu_step_measures_it():
+    # Oracle: the same steps on real tensors, measured by the same accounting (tests/test_plan.py's rule: within
+    # 5%). The chunked plan must also be below the plain one by at least two fp32 copies of the N x V logits
+    # (measured: 38.0 MB -> 17.3 MB; the plain loss holds the fp32 logits, their log-softmax and its gradient).
+    from transformers import LlamaConfig
+
+    from hf_galore_plugin.plan.trace import Settings, trace_method
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=8000, tie_word_embeddings=False)  # fmt: skip
+    base = dict(seq_len=128, batch_size=2, dtype=torch.float32, gradient_checkpointing=True, device="cpu", rank=16,
+                lora_rank=8)  # fmt: skip
+    chunked = Settings(**base, optim_args={"chunked_loss": True, "chunked_loss_tokens": 16})
+    plan = trace_method(config, "galore_adamw", chunked)
+    real = trace_method(config, "galore_adamw", chunked, fake=False)
+    plain = trace_method(config, "galore_adamw", Settings(**base, optim_args={}))
+    for which in ("normal", "refresh"):
+        planned, measured = getattr(plan, which).peak_bytes, getattr(real, which).peak_bytes
+        assert abs(planned - measured) <= 0.05 * measured, which
+        assert planned <= getattr(plain, which).peak_bytes - 2 * 256 * 8000 * 4, which
+    assert any("chunked loss (16-token chunks)" in note for note in plan.notes)
+
+
+def test_planner_models_liger_and_refuses_it_with_a_galore_head(tmp_path):
+    from hf_galore_plugin.plan import PlanError, estimate
+    from hf_galore_plugin.plan.trace import liger_chunk_tokens
+
+    # Liger's rule (liger_kernel.ops.fused_linear_cross_entropy): next power of two of N / ceil(V / H), at most N.
+    assert liger_chunk_tokens(2048, 128256, 4096) == 64
+    assert liger_chunk_tokens(4096, 152064, 3584) == 128
+    assert liger_chunk_tokens(8, 100, 64) == 4
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, '
+                      '"num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 8000, '
+                      '"tie_word_embeddings": false}')  # fmt: skip
+    kw = dict(config=str(config), methods=["adamw_torch"], seq_len=128, rank=16)
+    plain, liger = estimate(**kw), estimate(liger=True, **kw)
+    saved = plain["methods"]["adamw_torch"]["peak_bytes"] - liger["methods"]["adamw_torch"]["peak_bytes"]
+    assert saved >= 128 * 8000 * 4  # at least one fp32 copy of the logits
+    with pytest.raises(PlanError, match=r"galore_adamw: use_liger_kernel: .*lm_head\.weight.*chunked_loss=true"):
+        estimate(**{**kw, "methods": ["galore_adamw"]}, liger=True, optim_args="target_modules=.*(_proj|lm_head)")
