@@ -352,3 +352,32 @@ def test_planner_models_liger_and_refuses_it_with_a_galore_head(tmp_path):
     assert saved >= 128 * 8000 * 4  # at least one fp32 copy of the logits
     with pytest.raises(PlanError, match=r"galore_adamw: use_liger_kernel: .*lm_head\.weight.*chunked_loss=true"):
         estimate(**{**kw, "methods": ["galore_adamw"]}, liger=True, optim_args="target_modules=.*(_proj|lm_head)")
+
+
+def test_liger_fused_loss_equals_the_chunked_loss_through_galore_decoder_layers(tiny_llama):
+    # Third oracle: Liger-Kernel's fused linear cross-entropy (what use_liger_kernel=True swaps in), run by
+    # Triton's interpreter on CPU, on a model whose decoder layers are GaLore layers (the plain head left to
+    # Liger, as the Trainer integration does). Liger's RMSNorm, RoPE and SwiGLU kernels are left off: under
+    # Triton 3.9's interpreter they fail on a float scalar's .to() (a limitation of the interpreter, not of
+    # the composition: Liger's SwiGLU module calls the GaLore projections as submodules).
+    pytest.importorskip("liger_kernel.transformers")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    from hf_galore_plugin.utils import KERNEL_DISPATCH
+
+    if not KERNEL_DISPATCH.triton_on_cpu:
+        pytest.skip("platform: Liger's kernels need a GPU or TRITON_INTERPRET=1 (the suite's default)")
+    base = tiny_llama(vocab_size=512).train()
+    config = GaLoreConfig(rank=8)
+    ours = prepare_model(copy.deepcopy(base), config.replace(chunked_loss=True, chunked_loss_tokens=5))
+    liger = prepare_model(copy.deepcopy(base), config)
+    _apply_liger_kernel_to_instance(model=liger, rms_norm=False, rope=False, swiglu=False)
+    assert chunked_loss_settings(liger) is None
+    ids, labels = _batch()
+    ids, labels = ids % 512, torch.where(labels < 0, labels, labels % 512)
+    want = liger(input_ids=ids, labels=labels)
+    want.loss.backward()
+    got = ours(input_ids=ids, labels=labels)
+    got.loss.backward()
+    assert abs(got.loss.item() - want.loss.item()) <= FP32_TOL
+    _assert_close(_grads(ours), _grads(liger), FP32_TOL)
