@@ -1,8 +1,9 @@
 """Peak memory at large vocabularies (BENCHMARKS.md, "Large vocabularies: the loss and the head"): the
 planner's normal-step and refresh-step peaks of `qgalore_adamw_8bit` for Llama-3-8B (128k vocabulary) and
 Qwen2.5-7B (152k) at seq 2048 and 4096, batch 1, gradient checkpointing, bf16, rank 256, NF4 W0, staggered
-refresh, streaming sketches, then each loss/head option: the chunked loss, a GaLore output head, both, and
-(for comparison) offloaded optimizer state.
+refresh, streaming sketches, then each loss/head option: the chunked loss, a GaLore output head, both,
+Liger-Kernel's fused linear cross-entropy (`TrainingArguments(use_liger_kernel=True)`, planner flag
+`--liger-kernel`) and, for comparison, offloaded optimizer state.
 
     python benchmarks/plan_vocab.py --out outputs/plan_vocab   # plan_vocab.json + plan_vocab.md
 
@@ -29,12 +30,14 @@ METHOD = "qgalore_adamw_8bit"
 BASE = "weight_storage=nf4,refresh_schedule=staggered,basis_method=sketch"
 # A GaLore head: every decoder projection (what the default targets at these shapes) and lm_head.
 HEAD = "target_modules=.*(_proj|lm_head)"
+# (label, optim_args, Liger's fused linear cross-entropy)
 OPTION_SETS = [
-    ("nf4 + staggered + sketch", BASE),
-    ("+ chunked loss", f"{BASE},chunked_loss=true"),
-    ("+ GaLore head", f"{BASE},{HEAD}"),
-    ("+ chunked loss + GaLore head", f"{BASE},chunked_loss=true,{HEAD}"),
-    ("+ offload (no chunked loss)", f"{BASE},state_offload=cpu"),
+    ("nf4 + staggered + sketch", BASE, False),
+    ("+ chunked loss", f"{BASE},chunked_loss=true", False),
+    ("+ GaLore head", f"{BASE},{HEAD}", False),
+    ("+ chunked loss + GaLore head", f"{BASE},chunked_loss=true,{HEAD}", False),
+    ("+ Liger fused loss (plain head)", BASE, True),
+    ("+ offload (no chunked loss)", f"{BASE},state_offload=cpu", False),
 ]
 
 
@@ -44,7 +47,9 @@ def table(results: dict) -> str:
         "| activations GB | other GB |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for key, plan in results.items():
+    order = [f"{m}|{q}|{label}" for q in SEQ_LENS for m in MODELS for label, _, _ in OPTION_SETS]
+    for key in sorted(results, key=lambda k: order.index(k) if k in order else len(order)):
+        plan = results[key]
         model, seq, label = key.split("|")
         m = plan["methods"][METHOD]
         run = max(m["peak_bytes"], m["refresh_peak_bytes"])
@@ -69,14 +74,14 @@ def main(argv=None) -> int:
         for model in MODELS:
             if args.only and model not in args.only.split(","):
                 continue
-            for label, optim_args in OPTION_SETS:
+            for label, optim_args, liger in OPTION_SETS:
                 key = f"{model}|{seq_len}|{label}"
                 if key in results:
                     continue
                 start = time.perf_counter()
                 print(f"planning {model} seq {seq_len}, {label} ...", flush=True)
                 plan = estimate(model=model, methods=[METHOD], seq_len=seq_len, batch_size=1, gradient_checkpointing=True,
-                                dtype="bf16", rank=256, optim_args=optim_args)  # fmt: skip
+                                dtype="bf16", rank=256, optim_args=optim_args, liger=liger)  # fmt: skip
                 plan["seconds"] = round(time.perf_counter() - start, 1)
                 results[key] = plan
                 cache.write_text(json.dumps(results, indent=1))
