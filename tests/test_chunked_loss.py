@@ -66,6 +66,18 @@ def test_loss_and_gradients_equal_the_models_own(tiny_llama, chunk):
     _assert_close(_grads(chunked), _grads(reference), FP32_TOL)
 
 
+def test_a_tied_head_sums_both_gradients_of_the_shared_weight(tiny_llama):
+    # tie_word_embeddings=True (small Llama 3.2 / Qwen 2.5 models): the head's weight is the embedding's; its
+    # gradient is the sum of the embedding's and the head's, as in the model's own backward.
+    reference = _llama(tiny_llama, tie_word_embeddings=True)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    chunked = enable_chunked_loss(copy.deepcopy(reference), chunk_tokens=13)
+    ids, labels = _batch()
+    reference(input_ids=ids, labels=labels).loss.backward()
+    chunked(input_ids=ids, labels=labels).loss.backward()
+    _assert_close(_grads(chunked), _grads(reference), FP32_TOL)
+
+
 def test_num_items_in_batch_and_shift_labels_reduce_as_transformers_does(tiny_llama):
     # Oracle: the model's own loss with the same keyword arguments (the Trainer passes num_items_in_batch under
     # gradient accumulation; sequence-parallel collators pass shift_labels).
