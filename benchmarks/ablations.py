@@ -71,10 +71,6 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
         "the output head projected too (GaLore lm_head: 1024 x 128 here, rank 32; untied, as at 128k vocabularies)",
         {"target_modules": quality.TARGETS + "|lm_head"},
     ),
-    "chunked_loss": (
-        "chunked loss (64 tokens per chunk): the same loss, another summation order",
-        {"chunked_loss": True, "chunked_loss_tokens": 64},
-    ),
 }
 
 
