@@ -323,7 +323,6 @@ class ChunkedLossForward:
         self.__signature__ = signature
         names = list(signature.parameters)
         self.labels_position = names.index("labels")
-        self._pending: Optional[_Pending] = None
 
     def _inner_forward(self) -> Callable:
         # The class's forward is looked up at every call: a patch applied to the class later is honoured.
