@@ -67,6 +67,10 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
         "staggered phases + streaming sketch",
         {"refresh_schedule": "staggered", "basis_method": "sketch"},
     ),
+    "galore_head": (
+        "the output head projected too (GaLore lm_head: 1024 x 128 here, rank 32; untied, as at 128k vocabularies)",
+        {"target_modules": quality.TARGETS + "|lm_head"},
+    ),
 }
 
 

@@ -30,6 +30,7 @@ from .inject import galore_state_per_layer, iter_galore_layers, iter_galore_laye
 from .layers import GaLoreLinear
 from .layers.linear import scale_bases
 from .layers.schedule import StepClock
+from .loss import disable_chunked_loss, enable_chunked_loss
 
 __all__ = [
     "prepare_model",
@@ -51,7 +52,10 @@ __all__ = [
 
 
 def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
-    """Replace the targeted nn.Linear layers of `model` by GaLore layers, in place; returns `model`."""
+    """Replace the targeted nn.Linear layers of `model` by GaLore layers, in place; returns `model`.
+
+    With ``config.chunked_loss`` the model's training loss is also computed chunk by chunk
+    (:func:`hf_galore_plugin.loss.enable_chunked_loss`)."""
     if not isinstance(config, GaLoreConfig):
         raise TypeError(
             f"config must be a hf_galore_plugin.GaLoreConfig, got {type(config).__name__}; "
@@ -62,7 +66,14 @@ def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
         if existing == config:
             return model
         raise ValueError("model was already prepared with a different GaLoreConfig; merge_and_unload(model) first")
-    report = replace_targets(model, config)
+    if config.chunked_loss:
+        # First: a model the chunked loss cannot serve is refused before any layer is replaced.
+        enable_chunked_loss(model, chunk_tokens=config.chunked_loss_tokens)
+    try:
+        report = replace_targets(model, config)
+    except BaseException:
+        disable_chunked_loss(model)
+        raise
     model.galore_config = config
     model.galore_report = report
     return model
@@ -418,6 +429,9 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     for _, layer in iter_galore_layers(model):
         layer.galore_factor._galore_unloaded = True
     unload(model)
+    config = getattr(model, "galore_config", None)
+    if config is not None and config.chunked_loss:
+        disable_chunked_loss(model)
     for attr in ("galore_config", "galore_report"):
         if hasattr(model, attr):
             delattr(model, attr)

@@ -23,7 +23,7 @@ LOG_KEYS = ("brief", "full")
 WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
 STATE_OFFLOAD = ("none", "cpu")
-_OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size")
+_OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size", "chunked_loss_tokens")
 
 
 def _help(text: str, **kw: Any):
@@ -154,6 +154,18 @@ class GaLoreConfig:
         default="brief",
     )
     seed: int = _help("Seed of the random projections and of stochastic rounding.", default=0)
+    chunked_loss: bool = _help(
+        "Compute a causal LM's training loss chunk by chunk over tokens (output head and cross-entropy "
+        "together, hf_galore_plugin.loss): the N x vocab logits are never formed, saving about three fp32 "
+        "copies of them (3 GiB at seq 2048 and a 128k vocabulary); the same loss and gradients. Training "
+        "calls (labels given) then return logits=None.",
+        default=False,
+    )
+    chunked_loss_tokens: Optional[int] = _help(
+        "chunked_loss only: tokens per chunk (None: as many as keep one chunk's fp32 logits within 128 MiB, "
+        "256 at a 128k vocabulary).",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -176,6 +188,7 @@ class GaLoreConfig:
             "max_proj_gap",
             "weight_group_size",
             "basis_group_size",
+            "chunked_loss_tokens",
         ):
             value = getattr(self, name)
             if value is None and name in _OPTIONAL_INTS:
@@ -238,6 +251,13 @@ class GaLoreConfig:
             value = getattr(self, name)
             if value is not None and (value < 32 or value > 4096 or value & (value - 1)):
                 raise bad(name, "use a power of two between 32 and 4096")
+        if not isinstance(self.chunked_loss, bool):
+            raise TypeError(f"GaLoreConfig.chunked_loss must be a bool, got {self.chunked_loss!r}")
+        if self.chunked_loss_tokens is not None:
+            if self.chunked_loss_tokens < 1:
+                raise bad("chunked_loss_tokens", "use a positive number of tokens per chunk, or None")
+            if not self.chunked_loss:
+                raise bad("chunked_loss_tokens", "it sizes the chunked loss only: set chunked_loss=True")
         if self.error_feedback and self.state_bits != 8:
             raise bad("error_feedback", "error feedback applies to 8-bit state only: set state_bits=8 or drop it")
         if not 0.0 < self.lr_scale <= 1.0:

@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "codes": set(),
     "projection": set(),
+    "loss": set(),
     "kernels": {"codes"},
     "quant": {"utils", "codes", "kernels"},
     "engines": {"utils", "config"},
@@ -30,12 +31,13 @@ ALLOWED: dict[str, set[str]] = {
     "optim": {"utils", "codes", "kernels", "quant", "engines"},
     "presets": {"config"},
     "registry": {"config"},
-    "api": {"utils", "config", "projection", "quant", "engines", "layers", "inject", "optim"},
+    "api": {"utils", "config", "projection", "loss", "quant", "engines", "layers", "inject", "optim"},
     "integrations": {
         "utils",
         "config",
         "codes",
         "projection",
+        "loss",
         "kernels",
         "quant",
         "engines",
@@ -53,6 +55,7 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "codes",
         "projection",
+        "loss",
         "kernels",
         "quant",
         "engines",
@@ -77,7 +80,7 @@ LAYERS_MODULES: dict[str, set[str]] = {
     "linear": {"storage", "function", "schedule", "refresh", "config", "engines", "projection"},
     "": {"storage", "function", "schedule", "refresh", "linear"},
 }
-CORE = ("config", "quant", "projection", "layers", "inject", "optim", "kernels", "engines", "api")
+CORE = ("config", "quant", "projection", "loss", "layers", "inject", "optim", "kernels", "engines", "api")
 
 # Third-party packages only some units may import (the rest of the package must run without them).
 THIRD_PARTY = {

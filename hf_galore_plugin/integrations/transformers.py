@@ -46,6 +46,7 @@ from ..config import GaLoreConfig
 from ..inject import plain_linear, swap_submodule
 from ..registry import list_optimizer_entry_points, load_optimizer_preset
 from . import NO_PATCH_ENV
+from .chunked_loss import configure_trainer_loss
 from .optim_args import config_from_training_args
 
 logger = logging.getLogger(__name__)
@@ -787,6 +788,7 @@ def _wrap_init(original: Callable) -> Callable:
         elif bound.arguments.get("model_init") is not None:
             bound.arguments["model_init"] = _preparing_model_init(bound.arguments["model_init"], config, name)
         original(*bound.args, **bound.kwargs)
+        configure_trainer_loss(self, config)
         _attach_callback(self, config)
         _bind_callbacks(self)
 

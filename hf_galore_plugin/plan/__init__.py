@@ -145,9 +145,12 @@ def estimate(
     engine: str = "ddp",
     device: str = "cuda",
     full_trace: bool = False,
+    liger: bool = False,
 ) -> dict[str, Any]:
     """The plan as the ``--json`` object: model, params, settings and, per method, peak bytes of a
-    normal and a refresh step, the parts at the peak, the largest tensors and whether it was traced."""
+    normal and a refresh step, the parts at the peak, the largest tensors and whether it was traced.
+
+    `liger`: the loss of ``TrainingArguments(use_liger_kernel=True)`` (Liger's fused linear cross-entropy)."""
     from .trace import DTYPES, Settings, scaled_trace, trace_method
 
     methods = list(methods or METHODS)
@@ -174,7 +177,7 @@ def estimate(
             raise PlanError(f"--optim-args state_offload={overrides['state_offload']}: {exc}") from exc
     cfg = load_config(model, config)
     settings = Settings(seq_len, batch_size, DTYPES[dtype], gradient_checkpointing, device,
-                        overrides.pop("rank", rank), lora_rank, overrides)  # fmt: skip
+                        overrides.pop("rank", rank), lora_rank, overrides, liger=liger)  # fmt: skip
     result: dict[str, Any] = {
         "model": model or str(config),
         "params": _count_params(cfg),
@@ -189,13 +192,19 @@ def estimate(
             "world_size": world_size,
             "engine": engine,
             "device": device,
+            "liger": liger,
             "per_rank_rule": _RULES[engine] if world_size > 1 else "one process: nothing sharded",
         },  # fmt: skip
         "methods": {},
     }
     trace = trace_method if full_trace else scaled_trace
     for name in methods:
-        t = trace(cfg, name, settings)
+        try:
+            t = trace(cfg, name, settings)
+        except ValueError as exc:
+            if "use_liger_kernel" not in str(exc) and "chunked loss" not in str(exc):
+                raise
+            raise PlanError(f"{name}: {exc}") from exc
         entry: dict[str, Any] = {"traced": t.traced}
         for key, peak in (("", t.normal), ("refresh_", t.refresh)):
             parts, added = _per_rank(peak.parts, t, engine, world_size)

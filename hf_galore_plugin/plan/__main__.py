@@ -22,7 +22,8 @@ def format_table(plan: dict) -> str:
     lines = [
         f"{plan['model']}: {plan['params'] / 1e9:.2f}B parameters, seq {s['seq_len']}, batch {s['batch_size']}, "
         f"{s['dtype']}, gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, rank {s['rank']}"
-        + (f", {s['world_size']} x {s['engine']} (per rank)" if s["world_size"] > 1 else ""),
+        + (f", {s['world_size']} x {s['engine']} (per rank)" if s["world_size"] > 1 else "")
+        + (", Liger fused linear cross-entropy" if s.get("liger") else ""),
         "",
         "| method | peak GiB | refresh-step peak GiB | weights | grads | optimizer state | bases | activations | other "
         "| fits (GB) | traced |",
@@ -97,6 +98,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--device", default="cuda", help="cuda: the code paths of a GPU run (default); cpu: of a CPU run"
     )
+    parser.add_argument(
+        "--liger-kernel", action="store_true",
+        help="the loss of TrainingArguments(use_liger_kernel=True): Liger's fused linear cross-entropy",
+    )  # fmt: skip
     parser.add_argument("--full-trace", action="store_true", help="trace every layer instead of scaling from 4 and 5")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart of the peaks to this file")
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
             model=args.model, config=args.config, methods=methods, seq_len=args.seq_len, batch_size=args.batch_size,
             gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, rank=args.rank,
             lora_rank=args.lora_rank, optim_args=args.optim_args, world_size=args.world_size, engine=args.engine,
-            device=args.device, full_trace=args.full_trace,
+            device=args.device, full_trace=args.full_trace, liger=args.liger_kernel,
         )  # fmt: skip
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -213,6 +213,7 @@ class Settings:
     lora_rank: int
     optim_args: dict[str, Any]
     full_layers: int | None = None  # decoder layers of the model planned (a scaled trace runs fewer)
+    liger: bool = False  # the loss of TrainingArguments(use_liger_kernel=True): Liger's fused linear cross-entropy
 
 
 OUR_METHODS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
@@ -289,6 +290,42 @@ def _setup(method: str, model: nn.Module, settings: Settings):
 
     after.phase_extra_bytes = extra  # type: ignore[attr-defined]
     return optimizer, after, True, notes
+
+
+def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk of Liger-Kernel's fused linear cross-entropy (its documented rule: chunks whose logits
+    are about as large as the N x H hidden states, a power of two, at most N)."""
+    factor = -(-vocab // hidden)
+    chunk = 1 << max(0, (-(-tokens // factor) - 1).bit_length())
+    return min(chunk, tokens)
+
+
+def _loss_notes(model: nn.Module, settings: Settings, notes: list[str]) -> None:
+    """The chunked loss of `chunked_loss=true` (installed by prepare_model) or, with `settings.liger`, Liger's fused
+    linear cross-entropy, laid out as our chunked loss at Liger's chunk size (both compute the gradients in the
+    forward, chunk by chunk, into an N x H and a V x H buffer; per chunk Liger holds one chunk x V buffer in
+    the model's dtype where ours holds an fp32 one and its model-dtype copy: 3 x chunk x V bytes more, 24 MiB
+    at Llama-3-8B's 64-token chunks)."""
+    from ..layers import GaLoreLinear
+    from ..loss import chunked_loss_settings, default_chunk_tokens, enable_chunked_loss
+
+    head = model.get_output_embeddings()
+    if settings.liger:
+        if isinstance(head, GaLoreLinear):
+            raise ValueError(
+                "use_liger_kernel: Liger's fused linear cross-entropy reads lm_head.weight, and the head is a GaLore "
+                "layer here (target_modules selects it); plan it with chunked_loss=true instead"
+            )
+        chunk = liger_chunk_tokens(settings.batch_size * settings.seq_len, head.out_features, head.in_features)
+        enable_chunked_loss(model, chunk_tokens=chunk)
+        notes.append(f"use_liger_kernel: Liger's fused linear cross-entropy ({chunk}-token chunks), laid out as the "
+                     "chunked loss; Liger's other kernels (RMSNorm, SwiGLU, RoPE) are not modelled")  # fmt: skip
+        return
+    installed = chunked_loss_settings(model)
+    if installed is not None:
+        chunk = installed["chunk_tokens"] or default_chunk_tokens(head.out_features)
+        notes.append(f"chunked loss ({chunk}-token chunks): the head's gradients are made in the forward (counted "
+                     "as activations until the backward hands them over)")  # fmt: skip
 
 
 def _galore_layers(model: nn.Module) -> list[tuple[int, Any]]:
@@ -512,6 +549,7 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
         for t in list(model.parameters()) + list(model.buffers()):
             tracker.track(t)
         optimizer, after, traced, notes = _setup(method, model, settings)
+        _loss_notes(model, settings, notes)
         ids = torch.randint(0, config.vocab_size, (settings.batch_size, settings.seq_len))
         # Methods without a basis refresh need steps 0 (state created) and 1 (normal) only.
         for _ in range(2 if method in NO_REFRESH else 4):
