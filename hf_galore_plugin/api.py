@@ -181,23 +181,33 @@ def _check_step_driver(model: nn.Module) -> None:
         )
 
 
-def _initialise_materialised_layers(model: nn.Module) -> None:
-    """Layers prepared on the meta device and materialised with ``to_empty()`` hold uninitialised memory in
-    their own state (factor, bases, multiplier, counters) unless it was loaded or reset since: give them
-    a new layer's state. W0 must have been loaded: a quantized W0 cannot be (it is built from the weight
-    when the layer is prepared), so that case is refused."""
+def _initialise_materialised_layers(model: nn.Module, engine_managed: set[int]) -> None:
+    """Layers prepared on the meta device and materialised with ``to_empty()`` hold uninitialised memory
+    until something writes it. Their W0 must have been initialised or loaded since (``initialize_base``:
+    transformers' ``init_weights()`` or ``reset_parameters()``; ``load_state_dict`` of the weights): a
+    layer whose W0 was not is refused, since it would train on whatever the allocator left (NaN losses).
+    Their own state (factor, bases, multiplier, counters), unless loaded with them, becomes a new layer's.
+    Layers in `engine_managed` (FSDP1 units, whose ``sync_module_states`` broadcasts W0 from rank 0 after
+    materialising it) are trusted to hold rank 0's W0."""
     import logging
 
     reset = []
     for name, layer in iter_galore_layers(model):
         if not getattr(layer, "_built_on_meta", False) or layer.galore_factor.is_meta:
             continue
-        if layer.weight is None:
+        if not layer._base_initialised and id(layer) not in engine_managed:
+            quantized = (
+                f" (weight_storage={layer.config.weight_storage!r}: a quantized W0 is written by init_weights() or "
+                "reset_parameters(), or loaded from a galore_state_dict, never from plain weights)"
+                if layer.weight is None
+                else ""
+            )
             raise ValueError(
-                f"GaLore layer {name!r} was prepared on the meta device with weight_storage="
-                f"{layer.config.weight_storage!r} and then materialised: its quantized W0 holds uninitialised "
-                "memory and cannot be loaded from plain weights. Load the weights first and call prepare_model "
-                "on the materialised model, or load a galore_state_dict saved from a prepared model."
+                f"GaLore layer {name!r} was prepared on the meta device and materialised with to_empty(), but its "
+                f"W0 (the base weight) was never initialised or loaded since: it holds uninitialised memory and "
+                f"would train NaN{quantized}. After to_empty(), call model.init_weights() (a transformers model, "
+                "with hf_galore_plugin imported), reset_parameters() on every module, or "
+                "model.load_state_dict(weights); or call prepare_model on the materialised model."
             )
         layer.reset_galore_state()
         reset.append(name)
@@ -233,8 +243,8 @@ def create_optimizer(
         raise ValueError("model has no GaLore layers: call prepare_model(model, config) before create_optimizer")
     # FSDP1 (use_orig_params) and ZeRO-3 keep 1-D slices of the factor; their refreshes gather it
     # (engines.fsdp1, DeepSpeedGaLoreOptimizer). Anything else must hold the 2-D factor.
-    _initialise_materialised_layers(model)
     fsdp1_managed = check_fsdp1_layers(galore_layers(model), fsdp1_units(model))
+    _initialise_materialised_layers(model, fsdp1_managed)
     for name, layer in galore_layers(model):
         if id(layer) not in fsdp1_managed and not hasattr(layer.galore_factor, "ds_id"):
             layer._check_factor_layout()

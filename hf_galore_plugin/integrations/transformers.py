@@ -1096,8 +1096,30 @@ def patch_peft() -> None:
     apply_patches([PatchTarget(model_cls, "save_pretrained", wrap, "peft.PeftModel.save_pretrained")])
 
 
+def _wrap_initialize_weights(original: Callable) -> Callable:
+    """transformers initialises a model module by module (``initialize_weights`` -> ``_initialize_weights``
+    -> the model's ``_init_weights``), which knows ``nn.Linear`` but not a GaLore layer: a model prepared on
+    the meta device would keep uninitialised W0s after ``to_empty()`` + ``init_weights()``. A GaLore layer
+    is initialised as the ``nn.Linear`` it replaced would be, by the model's own ``_init_weights`` (same
+    rule, same random draws), and gets a new layer's GaLore state."""
+    from ..layers import GaLoreLinear
+
+    @functools.wraps(original)
+    def _initialize_weights(self, module, *args, **kwargs):
+        if not isinstance(module, GaLoreLinear):
+            return original(self, module, *args, **kwargs)
+        if getattr(module, "_is_hf_initialized", False):
+            return None
+        module.initialize_base(lambda linear: original(self, linear, *args, **kwargs))
+        module._is_hf_initialized = True
+        return None
+
+    return _mark(_initialize_weights)
+
+
 def patch_modeling_utils() -> None:
-    """``save_pretrained`` of a GaLore-prepared model writes the merged plain weights (idempotent)."""
+    """``save_pretrained`` of a GaLore-prepared model writes the merged plain weights; ``init_weights()``
+    initialises GaLore layers through the model's own init (idempotent)."""
     from transformers import modeling_utils
 
     model_cls = getattr(modeling_utils, "PreTrainedModel", None)
@@ -1124,4 +1146,14 @@ def patch_modeling_utils() -> None:
 
         return _mark(save_pretrained)
 
-    apply_patches([PatchTarget(model_cls, "save_pretrained", wrap, "transformers.PreTrainedModel.save_pretrained")])
+    apply_patches(
+        [
+            PatchTarget(model_cls, "save_pretrained", wrap, "transformers.PreTrainedModel.save_pretrained"),
+            PatchTarget(
+                model_cls,
+                "_initialize_weights",
+                _wrap_initialize_weights,
+                "transformers.PreTrainedModel._initialize_weights",
+            ),
+        ]
+    )
