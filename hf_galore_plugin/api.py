@@ -598,8 +598,9 @@ def fsync_folder(folder: str) -> None:
 def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> dict[str, Any]:
     """Read ``galore_state.pt``; returns the dict :func:`save_galore_checkpoint` wrote.
 
-    A file written before the format carried its step and config is returned with those set to None.
-    An unreadable file raises :class:`GaLoreCheckpointError` naming the file and its checkpoint.
+    An unreadable file, or one in a format this version cannot verify (the plain dict of tensors of
+    unreleased development versions, without step and settings), raises :class:`GaLoreCheckpointError`
+    naming the file and its checkpoint.
     """
     import os
 
@@ -624,7 +625,13 @@ def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> di
     if isinstance(loaded, dict) and loaded.get("format") == GALORE_STATE_FORMAT:
         return loaded
     if isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
-        return {"format": None, "global_step": None, "optimizer": None, "config": None, "state": loaded}
+        # Nothing in it says which step, settings or optimizer it belongs to, so no resume check could run.
+        raise GaLoreCheckpointError(
+            f"GaLore state {path} of {where} is in the format of unreleased development versions of "
+            f"hf_galore_plugin (a plain dict of tensors, without its step and settings), which this version "
+            f"cannot verify against its checkpoint. Resume from a checkpoint written by this version, or start "
+            "a new run from the checkpoint's merged weights (from_pretrained of the checkpoint folder)."
+        )
     raise GaLoreCheckpointError(
         f"GaLore state {path} of {where} is not a galore_state.pt written by hf_galore_plugin "
         f"(found a {type(loaded).__name__} with keys {sorted(loaded)[:5] if isinstance(loaded, dict) else '-'})."

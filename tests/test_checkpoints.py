@@ -108,6 +108,20 @@ def test_galore_state_left_by_another_run_is_refused(run_dir, tmp_path):
     assert trainer.state.global_step == 0
 
 
+@pytest.mark.parametrize("from_step", [2, 4])
+def test_galore_state_in_the_unreleased_plain_dict_format_is_refused_naming_the_fix(run_dir, tmp_path, from_step):
+    # That format carries no step or settings: even checkpoint-4's own tensors in it cannot be verified, and
+    # checkpoint-2's (the case that resumed 1.2e-2 away from the uninterrupted run) must never load.
+    folder = copy_checkpoint(run_dir, 4, tmp_path)
+    state = torch.load(run_dir / f"checkpoint-{from_step}" / GALORE_STATE_NAME, weights_only=True)["state"]
+    torch.save(state, os.path.join(folder, GALORE_STATE_NAME))
+    trainer = make_trainer(tmp_path / "resumed", max_steps=6)
+    with pytest.raises(GaLoreCheckpointError, match=r"format of unreleased development versions") as info:
+        trainer.train(resume_from_checkpoint=folder)
+    assert folder in str(info.value) and "from_pretrained" in str(info.value)
+    assert trainer.state.global_step == 0
+
+
 def test_a_new_save_into_an_old_folder_removes_the_stale_galore_state(run_dir, tmp_path, monkeypatch):
     # The second run dies inside its model write: the folder must not look complete afterwards.
     out = tmp_path / "reused"

@@ -478,26 +478,20 @@ def _read_galore_state(folder: str, prepared: Optional[nn.Module] = None, traine
             "start a new run from the merged model with from_pretrained."
         )
     payload = read_galore_checkpoint(path, checkpoint=folder)
-    payload["changed"] = {}
-    if payload["format"] is None:
-        logger.warning(
-            "%s was written by an earlier version of hf_galore_plugin without its step and settings: it is "
-            "loaded without checking that it belongs to this checkpoint",
-            path,
-        )
-        return payload
     step = _saved_global_step(folder)
-    if step is not None and payload["global_step"] is not None and step != payload["global_step"]:
+    if step is not None and step != payload["global_step"]:
         raise GaLoreCheckpointError(
             f"{path} belongs to step {payload['global_step']}, but checkpoint {folder} is step {step} "
             f"(trainer_state.json): the file was copied from another checkpoint or left by another run. "
             "Resume from a checkpoint whose files were written together."
         )
-    if prepared is not None and payload["config"] is not None:
+    payload["changed"] = {}
+    if prepared is not None:
         payload["changed"] = compare_galore_config(
             payload["config"], prepared.galore_config, where=f"checkpoint {folder}"
         )
     name = _served_name(getattr(getattr(trainer, "args", None), "optim", None))
+    # None: the run trained with its own optimizer (optimizers=(create_optimizer(...), None)), no name to compare
     if name is not None and payload["optimizer"] is not None and payload["optimizer"] != name:
         raise GaLoreCheckpointError(
             f"checkpoint {folder} was trained with optim={payload['optimizer']!r}, this run uses optim={name!r}: "
@@ -549,8 +543,7 @@ def _load_peft_with_galore_state(load: Callable[[], Any], model: nn.Module, fold
         result = load()
         checkpoint_weights = {name: linear.weight.detach().clone() for name, linear in linears.items()}
     load_galore_state_dict(model, payload["state"])
-    if payload["format"] is not None:
-        _check_merged_weights(model, checkpoint_weights, folder)
+    _check_merged_weights(model, checkpoint_weights, folder)
     apply_mutable_changes(model, payload["changed"], where=f"checkpoint {folder}")
     return result
 
@@ -570,8 +563,7 @@ def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: s
         result = load()
     # strict: every layer and every key must be there (the injected load above is not strict)
     load_galore_state_dict(model, payload["state"])
-    if payload["format"] is not None:
-        _check_merged_weights(model, checkpoint_weights, folder)
+    _check_merged_weights(model, checkpoint_weights, folder)
     apply_mutable_changes(model, payload["changed"], where=f"checkpoint {folder}")
     return result
 
