@@ -307,6 +307,23 @@ def test_scale_inf_through_optim_args_is_refused(tmp_path):
         )
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("update_proj_gap", 2**63), ("max_proj_gap", 2**64), ("rank", 2**31), ("oversampling", 2**70), ("seed", 2**40)],
+)
+def test_int_fields_beyond_their_range_are_refused_naming_the_field(field, value):
+    # Unchecked, these overflowed later in an int64 buffer or a generator seed: "Overflow when unpacking long".
+    with pytest.raises(ValueError, match=rf"GaLoreConfig.{field}={value} is invalid: use a value of magnitude below"):
+        hgp.GaLoreConfig(**{field: value})
+
+
+def test_a_scale_too_small_for_eps_is_reported_as_scale():
+    model = hgp.prepare_model(_MLP(), hgp.GaLoreConfig(rank=4, scale=1e-320))
+    with pytest.raises(ValueError, match=r"GaLoreConfig.scale=1e-320 is too small") as info:
+        hgp.create_optimizer(model, lr=1e-3)
+    assert "eps=0.0" not in str(info.value)
+
+
 @pytest.mark.parametrize("field", ["oversampling", "power_iterations", "seed", "max_proj_gap", "state_bits"])
 def test_int_fields_refuse_floats(field):
     with pytest.raises(TypeError, match=rf"GaLoreConfig.{field} must be an int"):
