@@ -251,17 +251,18 @@ class _RefreshLog(transformers.TrainerCallback):
 
 
 def test_refresh_schedule_changed_on_resume_takes_effect_at_the_resumed_step(tmp_path):
-    # aligned until checkpoint-4, staggered from there: layer L (phase p) refreshes next at step 4 + p
-    # (gap 4, last refresh at 0), against an uninterrupted run that switched at step 4.
-    aligned, staggered = "rank=4,update_proj_gap=4", "rank=4,update_proj_gap=4,refresh_schedule=staggered"
-    _trainer(tmp_path / "first", optim_args=aligned, max_steps=8, save_steps=4).train()  # the same LR schedule
+    # aligned until checkpoint-4, staggered from there: layer L (phase p) refreshes next at step 6 + p
+    # (gap 6, last refresh at 0; the 7 layers pack into 5 phases), against an uninterrupted run that
+    # switched at step 4.
+    aligned, staggered = "rank=4,update_proj_gap=6", "rank=4,update_proj_gap=6,refresh_schedule=staggered"
+    _trainer(tmp_path / "first", optim_args=aligned, max_steps=11, save_steps=4).train()  # the same LR schedule
     oracle_log = _RefreshLog(switch_at=4)
-    oracle = _trainer(tmp_path / "oracle", optim_args=aligned, max_steps=8, save_strategy="no")
+    oracle = _trainer(tmp_path / "oracle", optim_args=aligned, max_steps=11, save_strategy="no")
     oracle.add_callback(oracle_log)
     oracle.train()
 
     log = _RefreshLog()
-    resumed = _trainer(tmp_path / "resumed", optim_args=staggered, max_steps=8, save_strategy="no")
+    resumed = _trainer(tmp_path / "resumed", optim_args=staggered, max_steps=11, save_strategy="no")
     resumed.add_callback(log)
     resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-4"))
 
@@ -269,7 +270,7 @@ def test_refresh_schedule_changed_on_resume_takes_effect_at_the_resumed_step(tmp
     phases = {name: layer.counter("galore_phase") for name, layer in hgp.galore_layers(fresh)}
     assert len(set(phases.values())) > 1  # the layers are really staggered
     assert {name: layer.counter("galore_phase") for name, layer in hgp.galore_layers(resumed.model)} == phases
-    assert log.events == {(name, 4 + phase) for name, phase in phases.items()}
+    assert log.events == {(name, 6 + phase) for name, phase in phases.items()}
     assert log.events == {event for event in oracle_log.events if event[1] >= 4}
     expected = oracle.model.state_dict()
     for key, value in resumed.model.state_dict().items():
