@@ -216,8 +216,8 @@ def _initialise_materialised_layers(model: nn.Module, engine_managed: set[int]) 
                 f"GaLore layer {name!r} was prepared on the meta device and materialised with to_empty(), but its "
                 f"W0 (the base weight) was never initialised or loaded since: it holds uninitialised memory and "
                 f"would train NaN{quantized}. After to_empty(), call model.init_weights() (a transformers model, "
-                "with hf_galore_plugin imported), reset_parameters() on every module, or "
-                "model.load_state_dict(weights); or call prepare_model on the materialised model."
+                "with hf_galore_plugin's patches: not under HF_GALORE_PLUGIN_NO_PATCH=1), reset_parameters() on "
+                "every module, or model.load_state_dict(weights); or call prepare_model on the materialised model."
             )
         layer.reset_galore_state()
         reset.append(name)
