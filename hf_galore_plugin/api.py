@@ -14,6 +14,7 @@ model = merge_and_unload(model)    # plain nn.Linear layers, merged weights
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional
@@ -45,9 +46,11 @@ __all__ = [
     "load_galore_state_dict",
     "galore_stats",
     "GaLoreCheckpointError",
+    "CheckpointDiskFullError",
     "save_galore_checkpoint",
     "read_galore_checkpoint",
     "compare_galore_config",
+    "check_galore_counters",
 ]
 
 
@@ -103,11 +106,18 @@ def galore_param_groups(
         if plain:
             result.append({**group, "params": plain})
         if lowrank:
+            group_eps = group.get("eps", eps)
+            if group_eps > 0 and not group_eps * config.scale >= sys.float_info.min:
+                raise ValueError(
+                    f"GaLoreConfig.scale={config.scale!r} is too small: the GaLore groups' Adam eps is eps * scale "
+                    f"= {group_eps!r} * {config.scale!r}, which underflows to {group_eps * config.scale!r} in "
+                    "float64. Use a scale around 0.25 (the GaLore paper's; weights move at about lr * scale)."
+                )
             result.append(
                 {
                     **group,
                     "params": lowrank,
-                    "eps": group.get("eps", eps) * config.scale,
+                    "eps": group_eps * config.scale,
                     "galore": True,
                     "galore_layers": [owners[id(p)] for p in lowrank],
                 }
@@ -200,23 +210,33 @@ def _check_step_driver(model: nn.Module) -> None:
         )
 
 
-def _initialise_materialised_layers(model: nn.Module) -> None:
-    """Layers prepared on the meta device and materialised with ``to_empty()`` hold uninitialised memory in
-    their own state (factor, bases, multiplier, counters) unless it was loaded or reset since: give them
-    a new layer's state. W0 must have been loaded: a quantized W0 cannot be (it is built from the weight
-    when the layer is prepared), so that case is refused."""
+def _initialise_materialised_layers(model: nn.Module, engine_managed: set[int]) -> None:
+    """Layers prepared on the meta device and materialised with ``to_empty()`` hold uninitialised memory
+    until something writes it. Their W0 must have been initialised or loaded since (``initialize_base``:
+    transformers' ``init_weights()`` or ``reset_parameters()``; ``load_state_dict`` of the weights): a
+    layer whose W0 was not is refused, since it would train on whatever the allocator left (NaN losses).
+    Their own state (factor, bases, multiplier, counters), unless loaded with them, becomes a new layer's.
+    Layers in `engine_managed` (FSDP1 units, whose ``sync_module_states`` broadcasts W0 from rank 0 after
+    materialising it) are trusted to hold rank 0's W0."""
     import logging
 
     reset = []
     for name, layer in iter_galore_layers(model):
         if not getattr(layer, "_built_on_meta", False) or layer.galore_factor.is_meta:
             continue
-        if layer.weight is None:
+        if not layer._base_initialised and id(layer) not in engine_managed:
+            quantized = (
+                f" (weight_storage={layer.config.weight_storage!r}: a quantized W0 is written by init_weights() or "
+                "reset_parameters(), or loaded from a galore_state_dict, never from plain weights)"
+                if layer.weight is None
+                else ""
+            )
             raise ValueError(
-                f"GaLore layer {name!r} was prepared on the meta device with weight_storage="
-                f"{layer.config.weight_storage!r} and then materialised: its quantized W0 holds uninitialised "
-                "memory and cannot be loaded from plain weights. Load the weights first and call prepare_model "
-                "on the materialised model, or load a galore_state_dict saved from a prepared model."
+                f"GaLore layer {name!r} was prepared on the meta device and materialised with to_empty(), but its "
+                f"W0 (the base weight) was never initialised or loaded since: it holds uninitialised memory and "
+                f"would train NaN{quantized}. After to_empty(), call model.init_weights() (a transformers model, "
+                "with hf_galore_plugin's patches: not under HF_GALORE_PLUGIN_NO_PATCH=1), reset_parameters() on "
+                "every module, or model.load_state_dict(weights); or call prepare_model on the materialised model."
             )
         layer.reset_galore_state()
         reset.append(name)
@@ -252,8 +272,8 @@ def create_optimizer(
         raise ValueError("model has no GaLore layers: call prepare_model(model, config) before create_optimizer")
     # FSDP1 (use_orig_params) and ZeRO-3 keep 1-D slices of the factor; their refreshes gather it
     # (engines.fsdp1, DeepSpeedGaLoreOptimizer). Anything else must hold the 2-D factor.
-    _initialise_materialised_layers(model)
     fsdp1_managed = check_fsdp1_layers(galore_layers(model), fsdp1_units(model))
+    _initialise_materialised_layers(model, fsdp1_managed)
     for name, layer in galore_layers(model):
         if id(layer) not in fsdp1_managed and not hasattr(layer.galore_factor, "ds_id"):
             layer._check_factor_layout()
@@ -536,7 +556,8 @@ def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
 GALORE_STATE_FORMAT = "hf_galore_plugin.galore_state.v2"
 
 # Fields the saved tensors depend on: the factor's shape (rank, proj_type), the meaning of the factor
-# (scale), the layout of W0, of the bases and of the optimizer state, the set of layers. A resume
+# (scale), the layout of W0, of the bases and of the optimizer state, the set of layers, the layers'
+# random streams (seed: galore_seed, which stochastic rounding and random bases continue from). A resume
 # with another value would change the model or fail deep inside load_state_dict: refused.
 FIXED_FIELDS = (
     "rank",
@@ -551,6 +572,7 @@ FIXED_FIELDS = (
     "error_feedback",
     "target_modules",
     "exclude_modules",
+    "seed",
 )
 # Fields that only steer what happens from now on (refresh schedule, learning-rate scale, how the next
 # basis is computed): a resume takes the new value and logs it.
@@ -592,23 +614,112 @@ def compare_galore_config(saved: dict[str, Any], current: GaLoreConfig, *, where
     }
 
 
+def check_galore_counters(
+    model: nn.Module, state: dict[str, torch.Tensor], saved: dict[str, Any], *, global_step: Optional[int], where: str
+) -> None:
+    """Check the schedule counters of a saved GaLore `state` (saved with config dict `saved`) against each
+    other, the step it belongs to (`global_step`; the optimizer steps a Trainer skipped on fp16 overflow
+    are not counted, so a layer may be behind it, never ahead) and the rules of the schedule; the layers of
+    `model`, prepared with the current config, give the values fixed by the settings (seed, phase). Raises
+    :class:`GaLoreCheckpointError` naming the layer, the counter and the bound it breaks."""
+    from .layers.linear import COUNTER_NAMES
+
+    gap, growth = int(saved["update_proj_gap"]), int(saved["lazy_growth"])
+    max_gap = saved["max_proj_gap"] if saved["max_proj_gap"] is not None else 8 * gap
+    lazy = bool(saved["lazy_refresh"])
+    now = getattr(model, "galore_config", None)
+    same = {name: now is not None and _normalized(getattr(now, name)) == _normalized(saved[name]) for name in saved}
+    phases_fixed = all(
+        same[name]
+        for name in ("refresh_schedule", "refresh_budget_mb", "update_proj_gap", "basis_method", "oversampling")
+    )
+    problems: list[str] = []
+    steps: dict[str, int] = {}
+    for name, layer in iter_galore_layers_by_key(model):
+        keys = {counter: f"{name}.{counter}" for counter in COUNTER_NAMES}
+        if not all(key in state and state[key].numel() == 1 for key in keys.values()):
+            continue  # the strict load names missing or misshapen entries
+        c = {counter: int(state[key].reshape(())) for counter, key in keys.items()}
+        step = steps[name] = c["galore_step"]
+
+        def bad(counter: str, rule: str, layer_name: str = name, values: dict[str, int] = c) -> None:
+            problems.append(f"layer {layer_name!r} {counter}={values[counter]} ({rule})")
+
+        if step < 0 or (global_step is not None and step > global_step):
+            bad("galore_step", f"the checkpoint is step {global_step}; a layer counts at most that many steps")
+        if not -1 <= c["galore_last_refresh"] < max(step, 0):
+            bad("galore_last_refresh", f"must be -1 or a step before galore_step={step}")
+        if not 0 <= c["galore_num_refreshes"] <= max(step, 0) or (
+            c["galore_num_refreshes"] > 0 and c["galore_last_refresh"] < 0
+        ):
+            bad("galore_num_refreshes", f"at most one refresh per step up to {step}, and a step of the last one")
+        grown, ok_gap = gap, c["galore_gap"] == gap
+        while lazy and not ok_gap and grown < max_gap:
+            grown = min(grown * growth, max_gap)
+            ok_gap = c["galore_gap"] == grown
+        if not ok_gap:
+            bad("galore_gap", f"update_proj_gap={gap}" + (f" grown by {growth}x up to {max_gap}" if lazy else ""))
+        if not 0 <= c["galore_agree_count"] < (int(saved["lazy_window"]) if lazy else 1):
+            bad("galore_agree_count", f"below lazy_window={saved['lazy_window']}" if lazy else "0 without lazy_refresh")
+        if c["galore_rng_counter"] < 0:
+            bad("galore_rng_counter", "a count of random draws")
+        if same["seed"] and c["galore_seed"] != layer.counter("galore_seed"):
+            bad("galore_seed", f"seed={saved['seed']} gives {layer.counter('galore_seed')} for this layer")
+        if saved["refresh_schedule"] == "aligned":
+            if c["galore_phase"] != 0:
+                bad("galore_phase", "0 under refresh_schedule='aligned'")
+        elif phases_fixed and c["galore_phase"] != layer.counter("galore_phase"):
+            bad("galore_phase", f"these settings give this layer phase {layer.counter('galore_phase')}")
+        elif not 0 <= c["galore_phase"] < gap:
+            bad("galore_phase", f"a phase within update_proj_gap={gap}")
+    if len(set(steps.values())) > 1:
+        listed = ", ".join(f"{name}: {step}" for name, step in list(steps.items())[:4])
+        problems.insert(0, f"galore_step differs between layers ({listed}, ...), which all count every step")
+    if problems:
+        raise GaLoreCheckpointError(
+            f"{where}: the GaLore state's counters break the schedule they were saved with: "
+            + "; ".join(problems[:4])
+            + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+            + ". The file was damaged or edited after it was written. Resume from an earlier complete "
+            "checkpoint of this run."
+        )
+
+
+# Changes that restart a lazily grown gap from the (new) base gap: its growth was measured with the old rule.
+_GAP_FIELDS = ("update_proj_gap", "max_proj_gap", "lazy_refresh", "lazy_growth")
+# Changes that move the staggered phases: the schedule itself, the budget, and what a record weighs.
+_PHASE_FIELDS = ("refresh_schedule", "refresh_budget_mb", "update_proj_gap", "basis_method", "oversampling")
+
+
 def apply_mutable_changes(model: nn.Module, changed: dict[str, tuple[Any, Any]], *, where: str) -> None:
-    """Make changed schedule settings take effect on loaded layers (their counters hold the saved ones)."""
+    """Make changed schedule settings take effect on loaded layers (their counters hold the saved ones):
+    a changed gap rule restarts every layer's gap from ``update_proj_gap``; a changed schedule, budget,
+    gap or record size assigns the phases anew (:func:`~hf_galore_plugin.layers.assign_refresh_phases`,
+    as ``prepare_model`` does), so from the resumed step each layer refreshes at the steps its new phase
+    gives (all phases 0 under ``'aligned'``). Every other field is read from the layers' config as it is
+    used. Logs each change."""
     import logging
+
+    from .layers import assign_refresh_phases
 
     if not changed:
         return
-    if "update_proj_gap" in changed or "max_proj_gap" in changed:
-        for _, layer in iter_galore_layers(model):
-            config = layer.config
-            # a lazily grown gap restarts from the new base gap (its growth was measured with the old one)
-            layer._set_counter("galore_gap", config.update_proj_gap)
+    layers = [layer for _, layer in iter_galore_layers(model)]
+    if any(name in changed for name in _GAP_FIELDS):
+        for layer in layers:
+            layer._set_counter("galore_gap", layer.config.update_proj_gap)
             layer._set_counter("galore_agree_count", 0)
-            layer._update_refresh_due()
+    phases = ""
+    if any(name in changed for name in _PHASE_FIELDS):
+        assigned = assign_refresh_phases(layers)
+        phases = f" (refresh phases now {sorted(set(assigned))} of update_proj_gap={layers[0].config.update_proj_gap})"
+    for layer in layers:
+        layer._update_refresh_due()
     logging.getLogger(__name__).warning(
-        "%s: GaLore settings changed since the checkpoint and take effect from now on: %s",
+        "%s: GaLore settings changed since the checkpoint and take effect from now on: %s%s",
         where,
         "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()),
+        phases,
     )
 
 
@@ -621,7 +732,8 @@ def save_galore_checkpoint(
     optimizer_name: Optional[str] = None,
 ) -> None:
     """Write ``galore_state.pt`` atomically: a temporary file in the same folder, fsync, rename, fsync
-    of the folder. A reader sees the previous file or the complete new one, never a partial one."""
+    of the folder. A reader sees the previous file or the complete new one, never a partial one. A full
+    disk raises :class:`CheckpointDiskFullError` naming the file; the temporary is removed."""
     import os
 
     payload = {
@@ -639,11 +751,72 @@ def save_galore_checkpoint(
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        error = checkpoint_write_error(exc, path)  # before the temporary is removed: it fills the disk
         if os.path.exists(tmp):
             os.remove(tmp)
+        if error is not None:
+            raise error from None
         raise
     fsync_folder(folder)
+
+
+class CheckpointDiskFullError(OSError):
+    """A checkpoint file could not be written because its file system is full (errno ENOSPC); ``filename``
+    is the file, ``writer_said`` the first line of the writer's own error."""
+
+    writer_said: str = ""
+
+
+# Below this many free bytes a failed write counts as a full disk even when the writer does not say so:
+# torch's zip writer reports only "[enforce fail at inline_container.cc] unexpected pos ...".
+DISK_FULL_BYTES = 1 << 20
+
+
+def _disk_full(exc: BaseException, folder: str) -> bool:
+    import errno
+    import os
+
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen) or "StorageFull" in str(seen):  # safetensors' Rust writer
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        stat = os.statvfs(folder)
+    except (OSError, AttributeError):  # no statvfs on Windows
+        return False
+    return stat.f_bavail * stat.f_frsize < DISK_FULL_BYTES
+
+
+def checkpoint_write_error(
+    exc: BaseException, path: str, *, previous: Optional[str] = None
+) -> Optional[CheckpointDiskFullError]:
+    """The error to raise for `exc`, a failure while writing checkpoint file `path`: a
+    :class:`CheckpointDiskFullError` naming the file when the file system is full (call it before removing
+    partial files), None otherwise (re-raise `exc`). `previous`: the complete checkpoint left intact."""
+    import errno
+    import os
+
+    if isinstance(exc, CheckpointDiskFullError):  # raised by a writer below: name its file, add `previous`
+        path, said = str(exc.filename), exc.writer_said
+    else:
+        if not isinstance(exc, Exception) or not _disk_full(exc, os.path.dirname(os.path.abspath(path))):
+            return None
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    folder = os.path.dirname(os.path.abspath(path))
+    kept = f"the previous complete checkpoint {previous} is intact" if previous else "no older checkpoint was touched"
+    error = CheckpointDiskFullError(
+        errno.ENOSPC,
+        f"No space left on device: the checkpoint file {path} could not be written (the writer said: "
+        f"{said[:200]}). The checkpoint in {folder} is incomplete and is skipped on resume; {kept}. Free space "
+        "(delete the incomplete folder, or older checkpoints), then resume with resume_from_checkpoint=True",
+        path,
+    )
+    error.writer_said = said
+    return error
 
 
 def fsync_path(path: str) -> None:
@@ -671,8 +844,9 @@ def fsync_folder(folder: str) -> None:
 def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> dict[str, Any]:
     """Read ``galore_state.pt``; returns the dict :func:`save_galore_checkpoint` wrote.
 
-    A file written before the format carried its step and config is returned with those set to None.
-    An unreadable file raises :class:`GaLoreCheckpointError` naming the file and its checkpoint.
+    An unreadable file, or one in a format this version cannot verify (the plain dict of tensors of
+    unreleased development versions, without step and settings), raises :class:`GaLoreCheckpointError`
+    naming the file and its checkpoint.
     """
     import os
 
@@ -697,7 +871,13 @@ def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> di
     if isinstance(loaded, dict) and loaded.get("format") == GALORE_STATE_FORMAT:
         return loaded
     if isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
-        return {"format": None, "global_step": None, "optimizer": None, "config": None, "state": loaded}
+        # Nothing in it says which step, settings or optimizer it belongs to, so no resume check could run.
+        raise GaLoreCheckpointError(
+            f"GaLore state {path} of {where} is in the format of unreleased development versions of "
+            f"hf_galore_plugin (a plain dict of tensors, without its step and settings), which this version "
+            f"cannot verify against its checkpoint. Resume from a checkpoint written by this version, or start "
+            "a new run from the checkpoint's merged weights (from_pretrained of the checkpoint folder)."
+        )
     raise GaLoreCheckpointError(
         f"GaLore state {path} of {where} is not a galore_state.pt written by hf_galore_plugin "
         f"(found a {type(loaded).__name__} with keys {sorted(loaded)[:5] if isinstance(loaded, dict) else '-'})."

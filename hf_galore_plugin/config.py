@@ -24,6 +24,12 @@ WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
 STATE_OFFLOAD = ("none", "cpu")
 _OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size", "chunked_loss_tokens")
+# Step counts and sizes go into int64 counter buffers (a lazily grown gap is a product of them): any
+# value this large is a typo, refused before it overflows somewhere that cannot name the field.
+_INT_LIMIT = 2**31
+# The layers' random streams are seeded with seed * ~2e12 + counters, which torch.Generator.manual_seed
+# takes only below 2**64: seeds up to 2**22 keep every derived seed in range.
+_SEED_LIMIT = 2**22
 
 
 def _help(text: str, **kw: Any):
@@ -134,8 +140,8 @@ class GaLoreConfig:
         default=None,
     )
     exclude_modules: Optional[list] = _help(
-        "Module-name suffixes never targeted (default: the output head, found by the model's "
-        "get_output_embeddings(), or a layer named 'lm_head').",
+        "Module-name suffixes never targeted, a list or one name (default: the output head, found by the "
+        "model's get_output_embeddings(), or a layer named 'lm_head').",
         default=None,
     )
     lr_scale: float = _help(
@@ -168,6 +174,8 @@ class GaLoreConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.exclude_modules, str):
+            self.exclude_modules = [self.exclude_modules]  # one name
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -195,6 +203,9 @@ class GaLoreConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"GaLoreConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+            limit = _SEED_LIMIT if name == "seed" else _INT_LIMIT
+            if not -limit < value < limit:
+                raise bad(name, f"use a value of magnitude below 2**{limit.bit_length() - 1}")
         # A float field that is not a finite number trains nothing useful: scale=inf turns every merged
         # weight into inf/NaN while the loss may still log as a number.
         for name in ("scale", "cos_threshold", "lr_scale", "lr_recovery_fraction"):
@@ -273,6 +284,10 @@ class GaLoreConfig:
                 raise bad("target_modules", f"not a valid regular expression ({exc})") from exc
         if isinstance(self.target_modules, (list, tuple)) and not self.target_modules:
             raise bad("target_modules", "an empty list selects nothing; use None for the default targets")
+        if self.exclude_modules is not None and not (
+            isinstance(self.exclude_modules, (list, tuple)) and all(isinstance(n, str) for n in self.exclude_modules)
+        ):
+            raise bad("exclude_modules", "use None, one module-name suffix, or a list of them, e.g. ['o_proj']")
 
     # ------------------------------------------------------------------ derived values
     @property

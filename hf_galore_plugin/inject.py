@@ -211,7 +211,12 @@ def replace_targets(model: nn.Module, config: GaLoreConfig) -> TargetReport:
     layers = []
     for index, (name, module) in enumerate(selected):
         # One at a time: a quantized W0 replaces the original weight before the next layer is built.
-        layers.append(GaLoreLinear(module, config, layer_index=index))
+        layer = GaLoreLinear(module, config, layer_index=index)
+        # A framework's mark that its init has run on the replaced module (transformers' `_is_hf_initialized`,
+        # read by its init_weights()) holds for the layer too: it must not re-initialise loaded weights.
+        if getattr(module, "_is_hf_initialized", False):
+            object.__setattr__(layer, "_is_hf_initialized", True)
+        layers.append(layer)
         swap_submodule(model, name, layers[-1])
     assign_refresh_phases(layers)
     logger.info(report.summary())

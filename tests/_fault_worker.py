@@ -8,7 +8,7 @@ run), "refused" (raised before any step; the message), or anything else (a failu
 One interpreter imports torch/transformers once; every run is a forked child (single-threaded torch,
 so no thread pool crosses the fork). A killed child dies by ``os.kill(os.getpid(), SIGKILL)`` from
 inside the write it interrupts: the file being written is first cut to half its size, which is what
-a kill during the write leaves on disk.
+a kill during the write leaves on disk. A checkpoint is complete once its manifest exists.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from transformers import modeling_utils, trainer_callback  # noqa: E402
 from transformers import trainer as trainer_module  # noqa: E402
 
 import hf_galore_plugin as hgp  # noqa: E402,F401  registers the optimizer names
+from hf_galore_plugin.integrations import manifest  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -48,6 +49,8 @@ KILL_POINTS = [
     ("checkpoint-4 rng_state.pth", "rng_state.pth", 4),
     ("checkpoint-4 trainer_state.json", "trainer_state.json", 4),
     ("checkpoint-4 galore_state.pt", "galore_state.pt", 4),
+    ("checkpoint-4 between galore_state.pt and the manifest", "before manifest", 4),
+    ("checkpoint-4 galore_manifest.json", "galore_manifest.json", 4),
     ("checkpoint-4 complete, before rotation", "rotate", 4),
     ("rotation: checkpoint-2 half deleted", "rmtree", 4),
     ("step 5 (after rotation)", "step", 5),
@@ -158,6 +161,26 @@ def install_kill(what: str, step: int) -> None:
             return original_rotate(*args, **kwargs)
 
         trainer_module.rotate_checkpoints = rotate_checkpoints
+    elif what == "before manifest":
+        original_manifest = manifest.write_manifest
+
+        def write_manifest(folder, *args, **kwargs):
+            if tag in str(folder):
+                _die()
+            return original_manifest(folder, *args, **kwargs)
+
+        manifest.write_manifest = write_manifest
+    elif what == "galore_manifest.json":
+        original_write = manifest.write_atomically
+
+        def write_atomically(path, data):
+            if hit(path):
+                with open(f"{path}.tmp-{os.getpid()}", "wb") as handle:
+                    handle.write(data[: len(data) // 2])
+                _die()
+            return original_write(path, data)
+
+        manifest.write_atomically = write_atomically
     elif what == "rmtree":
 
         def rmtree(path, *args, **kwargs):
@@ -245,7 +268,7 @@ def main(workdir: str) -> None:
         killed_status = child(killed)
         held = (
             sorted(
-                f"{entry}{'' if os.path.isfile(os.path.join(output_dir, entry, 'galore_state.pt')) else ' (incomplete)'}"
+                f"{entry}{'' if os.path.isfile(os.path.join(output_dir, entry, manifest.MANIFEST_NAME)) else ' (incomplete)'}"
                 for entry in os.listdir(output_dir)
                 if entry.startswith("checkpoint-")
             )
@@ -254,6 +277,13 @@ def main(workdir: str) -> None:
         )
         resume_status = child(resumed)
         row = {"point": name, "killed": killed_status == -signal.SIGKILL, "held": held}
+        # a killed writer's temporary (galore_state.pt.tmp-<pid>) must not outlive the next run's start
+        row["temporaries"] = [
+            os.path.join(root, entry)
+            for root, _, entries in os.walk(output_dir)
+            for entry in entries
+            if manifest.is_own_temporary(entry)
+        ]
         if resume_status != 0 or not os.path.isfile(result_file):
             row["outcome"] = f"resume crashed (exit {resume_status})"
         else:

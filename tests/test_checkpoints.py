@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from conftest import training_args  # noqa: E402
 
 from hf_galore_plugin.api import GaLoreCheckpointError  # noqa: E402
 from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME  # noqa: E402
+from hf_galore_plugin.integrations.manifest import MANIFEST_NAME, write_manifest  # noqa: E402
 
 ARGS = "rank=4,update_proj_gap=2"
 
@@ -73,6 +76,12 @@ def copy_checkpoint(run_dir, step, to) -> str:
     return str(target)
 
 
+def reseal(folder) -> None:
+    """A new manifest for `folder`'s files as they are now: the checks behind the manifest (step, settings,
+    counters, merged weights) must stand on their own, e.g. for a folder someone re-sealed."""
+    write_manifest(str(folder), global_step=int(str(folder).rpartition("-")[2]))
+
+
 # ---------------------------------------------------------------------- file format
 def test_galore_state_carries_step_settings_and_optimizer(run_dir):
     saved = torch.load(run_dir / "checkpoint-4" / GALORE_STATE_NAME, weights_only=True)
@@ -87,6 +96,7 @@ def test_galore_state_carries_step_settings_and_optimizer(run_dir):
 def test_galore_state_copied_from_another_step_is_refused(run_dir, tmp_path):
     folder = copy_checkpoint(run_dir, 4, tmp_path)
     shutil.copy(run_dir / "checkpoint-2" / GALORE_STATE_NAME, os.path.join(folder, GALORE_STATE_NAME))
+    reseal(folder)
     trainer = make_trainer(tmp_path / "resumed", max_steps=6)
     with pytest.raises(GaLoreCheckpointError, match=r"belongs to step 2, but checkpoint .*checkpoint-4 is step 4"):
         trainer.train(resume_from_checkpoint=folder)
@@ -100,18 +110,40 @@ def test_galore_state_left_by_another_run_is_refused(run_dir, tmp_path):
     make_trainer(other, data_seed=7, save_steps=4).train()
     folder = str(other / "checkpoint-4")
     shutil.copy(run_dir / "checkpoint-4" / GALORE_STATE_NAME, os.path.join(folder, GALORE_STATE_NAME))
+    reseal(folder)
     trainer = make_trainer(tmp_path / "resumed", max_steps=6)
-    with pytest.raises(
-        GaLoreCheckpointError, match=r"does not belong to checkpoint .*other/checkpoint-4.*merged weight"
-    ):
+    with pytest.raises(GaLoreCheckpointError, match=r"checkpoint .*other/checkpoint-4.* disagree.*merged weight"):
         trainer.train(resume_from_checkpoint=folder)
     assert trainer.state.global_step == 0
 
 
-def test_a_new_save_into_an_old_folder_removes_the_stale_galore_state(run_dir, tmp_path, monkeypatch):
-    # The second run dies inside its model write: the folder must not look complete afterwards.
+@pytest.mark.parametrize("from_step", [2, 4])
+def test_galore_state_in_the_unreleased_plain_dict_format_is_refused_naming_the_fix(run_dir, tmp_path, from_step):
+    # That format carries no step or settings: even checkpoint-4's own tensors in it cannot be verified, and
+    # checkpoint-2's (the case that resumed 1.2e-2 away from the uninterrupted run) must never load.
+    folder = copy_checkpoint(run_dir, 4, tmp_path)
+    state = torch.load(run_dir / f"checkpoint-{from_step}" / GALORE_STATE_NAME, weights_only=True)["state"]
+    torch.save(state, os.path.join(folder, GALORE_STATE_NAME))
+    reseal(folder)
+    trainer = make_trainer(tmp_path / "resumed", max_steps=6)
+    with pytest.raises(GaLoreCheckpointError, match=r"format of unreleased development versions") as info:
+        trainer.train(resume_from_checkpoint=folder)
+    assert folder in str(info.value) and "from_pretrained" in str(info.value)
+    assert trainer.state.global_step == 0
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_new_save_into_an_old_folder_removes_the_stale_manifest_state_and_temporaries(run_dir, tmp_path, monkeypatch):
+    # The second run dies inside its model write: the folder must not look complete afterwards, and the
+    # temporary a killed writer left there is gone.
     out = tmp_path / "reused"
-    copy_checkpoint(run_dir, 2, out)
+    stale = os.path.join(copy_checkpoint(run_dir, 2, out), f"{GALORE_STATE_NAME}.tmp-{_dead_pid()}")
+    open(stale, "wb").close()
     from transformers import modeling_utils
 
     def crash(*args, **kwargs):
@@ -121,6 +153,8 @@ def test_a_new_save_into_an_old_folder_removes_the_stale_galore_state(run_dir, t
     with pytest.raises(KeyboardInterrupt):
         make_trainer(out, data_seed=7).train()
     assert not os.path.exists(out / "checkpoint-2" / GALORE_STATE_NAME)
+    assert not os.path.exists(out / "checkpoint-2" / MANIFEST_NAME)
+    assert not os.path.exists(stale)
 
 
 # ---------------------------------------------------------------------- settings (item 4)
@@ -178,6 +212,7 @@ def test_unreadable_galore_state_names_file_and_checkpoint(run_dir, tmp_path, da
         torch.save({"state": logging.getLogger("x")}, path)
     else:
         open(path, "wb").close()
+    reseal(folder)
     trainer = make_trainer(tmp_path / "resumed", max_steps=6)
     with pytest.raises(GaLoreCheckpointError) as info:
         trainer.train(resume_from_checkpoint=folder)
@@ -190,7 +225,7 @@ def test_unreadable_galore_state_names_file_and_checkpoint(run_dir, tmp_path, da
 def test_resume_true_skips_an_incomplete_newest_checkpoint(run_dir, tmp_path, caplog):
     out = tmp_path / "out"
     copy_checkpoint(run_dir, 2, out)
-    os.remove(copy_checkpoint(run_dir, 4, out) + "/" + GALORE_STATE_NAME)
+    os.remove(copy_checkpoint(run_dir, 4, out) + "/" + MANIFEST_NAME)
     trainer = make_trainer(out, max_steps=4, save_strategy="no")
     steps = []
     trainer.add_callback(
@@ -214,10 +249,10 @@ def test_explicit_incomplete_checkpoint_is_refused_naming_the_complete_one(run_d
     out = tmp_path / "out"
     complete = copy_checkpoint(run_dir, 2, out)
     incomplete = copy_checkpoint(run_dir, 4, out)
-    os.remove(os.path.join(incomplete, GALORE_STATE_NAME))
+    os.remove(os.path.join(incomplete, MANIFEST_NAME))
     trainer = make_trainer(out, max_steps=6)
     with pytest.raises(
-        ValueError, match=rf"{incomplete} is incomplete: it has no {GALORE_STATE_NAME}.*resume from {complete}"
+        ValueError, match=rf"{incomplete} is incomplete: it has no {MANIFEST_NAME}.*resume from {complete}"
     ):
         trainer.train(resume_from_checkpoint=incomplete)
 

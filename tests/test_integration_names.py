@@ -22,6 +22,7 @@ from torch import nn
 import hf_galore_plugin
 from hf_galore_plugin import GaLoreConfig
 from hf_galore_plugin.integrations.optim_args import (
+    _split_pairs,
     config_from_training_args,
     parse_optim_args,
     target_modules_from_optim_target_modules,
@@ -283,6 +284,71 @@ def test_bad_optim_args_fail_with_key_value_and_accepted(optim_args, pattern):
             optim_target_modules=None,
             optimizer_name="galore_adamw",
         )
+
+
+# Strings transformers' own parser reads differently or not at all, and ones it reads as we do.
+PARSER_CASES = [
+    "rank=8,update_proj_gap=3",
+    " rank = 8 , update_proj_gap=3 ",
+    "exclude_modules=o_proj+down_proj",
+    "rank=8,,update_proj_gap=3",
+    "rank=8,",
+    ",rank=8",
+    "rank=8=9",
+    "rank",
+    "exclude_modules=o proj",
+    "target_modules=.*self attn.*",
+]
+
+
+def _as_written(optim_args: str):
+    """What the user wrote: ','-separated key=value items, spaces around them ignored (None: no such reading)."""
+    try:
+        return {key.strip(): value.strip() for key, value in (item.split("=") for item in optim_args.split(","))}
+    except ValueError:
+        return None
+
+
+@pytest.mark.parametrize("optim_args", PARSER_CASES)
+def test_optim_args_are_accepted_exactly_when_transformers_parses_them_as_written(optim_args):
+    # The oracle: transformers' own parser, which runs on the same string when training starts. Ours must
+    # refuse what it fails on or reads differently (spaces inside a value), and read the rest as it does.
+    trainer_optimizer = pytest.importorskip("transformers.trainer_optimizer")
+    if not hasattr(trainer_optimizer, "_parse_optim_args"):
+        pytest.skip("platform: this transformers parses optim_args inside get_optimizer_cls_and_kwargs (4.57)")
+    try:
+        theirs = trainer_optimizer._parse_optim_args(optim_args)
+    except ValueError:
+        theirs = None
+    try:
+        ours = dict(_split_pairs(optim_args))
+    except ValueError:
+        ours = None
+    assert (ours is not None) == (theirs is not None and theirs == _as_written(optim_args))
+    if ours is not None:
+        assert ours == theirs
+
+
+@pytest.mark.parametrize(
+    "optim_args, pattern",
+    [
+        ("rank=8,,update_proj_gap=3", r"optim_args item 2 is empty .*Remove the extra comma"),
+        ("rank=8,update_proj_gap=3,", r"optim_args item 3 is empty"),
+        ("rank=8,exclude_modules=o proj", r"space inside 'o proj'.*silently become 'oproj'"),
+    ],
+)
+def test_optim_args_transformers_cannot_parse_fail_at_trainer_construction(tmp_path, optim_args, pattern):
+    args = _args(tmp_path, optim="galore_adamw", optim_args=optim_args)
+    model = _TinyMLP()
+    with pytest.raises(ValueError, match=pattern):
+        Trainer(model=model, args=args)
+    assert isinstance(model.up, nn.Linear) and not hasattr(model, "galore_config")
+
+
+def test_one_exclude_modules_name_is_a_list_of_one():
+    assert parse_optim_args("exclude_modules=o_proj") == {"exclude_modules": ["o_proj"]}
+    assert GaLoreConfig(exclude_modules="o_proj").exclude_modules == ["o_proj"]
+    assert parse_optim_args("target_modules=o_proj") == {"target_modules": "o_proj"}  # a regex stays one
 
 
 def test_bad_optim_args_fail_at_trainer_construction(tmp_path):

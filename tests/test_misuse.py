@@ -199,13 +199,95 @@ def test_reset_parameters_gives_a_new_layer_state():
         assert float(layer.weight.abs().max()) <= 1 / math.sqrt(layer.in_features)  # nn.Linear's init bound
 
 
-def test_meta_device_quantized_weight_is_refused():
+def _lm_losses(model, steps: int = 4) -> list[float]:
+    optimizer = hgp.create_optimizer(model, lr=1e-2)
+    batch = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(5))
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        hgp.after_step(model, optimizer)
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _poison(model) -> None:
+    """What to_empty() may leave, made visibly wrong (NaN weights, absurd counters)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.fill_(float("nan") if tensor.is_floating_point() else 7)
+
+
+@pytest.mark.parametrize("weight_storage", ["as_loaded", "int8"])
+def test_meta_device_transformers_init_weights_trains_like_a_cpu_prepared_model(weight_storage):
+    # The oracle: the same meta -> to_empty -> init_weights flow without the plugin, prepared on CPU after it.
+    config = hgp.GaLoreConfig(rank=4, update_proj_gap=2, weight_storage=weight_storage)
+    with torch.device("meta"):
+        reference = LlamaForCausalLM(tiny_llama().config)
+    reference.to_empty(device="cpu")
+    torch.manual_seed(3)
+    reference.init_weights()
+    expected = _lm_losses(hgp.prepare_model(reference, config))
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama().config)
+    hgp.prepare_model(model, config)
+    model.to_empty(device="cpu")
+    _poison(model)
+    torch.manual_seed(3)
+    model.init_weights()
+    got = _lm_losses(model)
+    assert all(math.isfinite(v) for v in got), got
+    assert got == expected
+
+
+def test_meta_device_reset_parameters_trains_like_a_cpu_prepared_model():
+    config = hgp.GaLoreConfig(rank=4, update_proj_gap=2)
+    with torch.device("meta"):
+        reference = _MLP()
+    reference.to_empty(device="cpu")
+    torch.manual_seed(3)
+    for module in reference.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    expected = _train(hgp.prepare_model(reference, config))
+
     with torch.device("meta"):
         model = _MLP()
-    hgp.prepare_model(model, hgp.GaLoreConfig(rank=4, weight_storage="int8"))
+    hgp.prepare_model(model, config)
     model.to_empty(device="cpu")
-    with pytest.raises(ValueError, match=r"prepared on the meta device with weight_storage='int8'"):
+    _poison(model)
+    torch.manual_seed(3)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert _train(model) == expected
+
+
+def test_init_weights_leaves_loaded_galore_layers_alone():
+    # A model built and initialised on CPU, then prepared: init_weights() again changes none of its weights,
+    # as for its plain layers (transformers marks what its init has run on).
+    model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    model.init_weights()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+@pytest.mark.parametrize("weight_storage", ["as_loaded", "int8"])
+def test_meta_device_without_init_or_load_is_refused_naming_the_flows_that_work(weight_storage):
+    with torch.device("meta"):
+        model = _MLP()
+    hgp.prepare_model(model, hgp.GaLoreConfig(rank=4, weight_storage=weight_storage))
+    model.to_empty(device="cpu")
+    message = r"GaLore layer 'up' was prepared on the meta device .* never initialised"
+    with pytest.raises(ValueError, match=message) as info:
         hgp.create_optimizer(model, lr=1e-3)
+    for flow in ("init_weights()", "reset_parameters()", "load_state_dict"):
+        assert flow in str(info.value)
+    assert (f"weight_storage={weight_storage!r}" in str(info.value)) == (weight_storage != "as_loaded")
 
 
 # ---------------------------------------------------------------------- item 8: config values
@@ -223,6 +305,23 @@ def test_scale_inf_through_optim_args_is_refused(tmp_path):
             args=args(tmp_path, optim="galore_adamw", optim_args="rank=4,scale=inf"),
             train_dataset=token_data(),
         )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("update_proj_gap", 2**63), ("max_proj_gap", 2**64), ("rank", 2**31), ("oversampling", 2**70), ("seed", 2**40)],
+)
+def test_int_fields_beyond_their_range_are_refused_naming_the_field(field, value):
+    # Unchecked, these overflowed later in an int64 buffer or a generator seed: "Overflow when unpacking long".
+    with pytest.raises(ValueError, match=rf"GaLoreConfig.{field}={value} is invalid: use a value of magnitude below"):
+        hgp.GaLoreConfig(**{field: value})
+
+
+def test_a_scale_too_small_for_eps_is_reported_as_scale():
+    model = hgp.prepare_model(_MLP(), hgp.GaLoreConfig(rank=4, scale=1e-320))
+    with pytest.raises(ValueError, match=r"GaLoreConfig.scale=1e-320 is too small") as info:
+        hgp.create_optimizer(model, lr=1e-3)
+    assert "eps=0.0" not in str(info.value)
 
 
 @pytest.mark.parametrize("field", ["oversampling", "power_iterations", "seed", "max_proj_gap", "state_bits"])

@@ -7,8 +7,8 @@ the only way that keeps that promise:
 - the transformers modules that are already imported are patched right away;
 - for the others a ``sys.meta_path`` finder waits for them and patches each one as soon as
   it has finished executing (``transformers.training_args``: optimizer names;
-  ``transformers.trainer``: ``Trainer``; ``transformers.modeling_utils`` and ``peft.peft_model``:
-  ``save_pretrained``).
+  ``transformers.trainer``: ``Trainer``; ``transformers.modeling_utils``: ``save_pretrained`` and
+  ``_initialize_weights``; ``peft.peft_model``: ``save_pretrained``).
 
 Each patch runs once per module (idempotent, under a lock) and is all or nothing: every target is
 checked before the first is replaced, and a missing one raises one error naming it, the installed

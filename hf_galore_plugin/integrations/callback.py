@@ -340,22 +340,24 @@ class GaLoreCallback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if trainer is None:
             # not bound (added with trainer.add_callback): the integration's save has run if the file is there
-            if _saved_for_step(os.path.join(folder, GALORE_STATE_NAME), state.global_step):
+            if _saved_for_step(folder, state.global_step):
                 return
             raise RuntimeError(
-                f"GaLoreCallback.on_save: {folder} has no {GALORE_STATE_NAME} of step {state.global_step} and the "
+                f"GaLoreCallback.on_save: {folder} has no {GALORE_STATE_NAME} and manifest of step "
+                f"{state.global_step} and the "
                 "callback is not bound to its Trainer to write one: pass the callback in Trainer(callbacks=[...]) "
                 "or call callback.bind_trainer(trainer)"
             )
         save_galore_state(trainer, galore_model_of(model), folder)
 
 
-def _saved_for_step(path: str, step: int) -> bool:
-    if not os.path.isfile(path):
-        return False
-    from ..api import read_galore_checkpoint
+def _saved_for_step(folder: str, step: int) -> bool:
+    """Whether the integration completed checkpoint `folder` at `step` (its manifest, written last, says so)."""
+    from .manifest import MANIFEST_NAME, read_manifest
 
-    return read_galore_checkpoint(path).get("global_step") == step
+    if not os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+        return False
+    return read_manifest(folder).get("global_step") == step
 
 
 def _brief_on_log(original: Any, owner: GaLoreCallback, args, state, control, logs=None, **kwargs):

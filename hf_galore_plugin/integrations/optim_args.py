@@ -28,16 +28,35 @@ LIST_SEPARATOR = "+"
 
 
 def _split_pairs(optim_args: str) -> list[tuple[str, str]]:
+    """The (key, value) pairs of `optim_args`, refused where transformers' own parser would fail later.
+
+    transformers parses the same string itself before it asks for the optimizer (``_parse_optim_args``:
+    every space removed, then ``key, value = item.split("=")`` for each ``,``-separated item), so an empty
+    item (``,,``, a trailing ``,``) or one without exactly one ``=`` would pass ``Trainer()`` and fail in
+    ``train()`` with a bare "not enough values to unpack". A space inside a key or value would be removed
+    silently: refused too. Spaces around ``,`` and ``=`` are harmless."""
     pairs = []
-    for item in optim_args.replace(" ", "").split(","):
+    for index, raw in enumerate(optim_args.split(",")):
+        item = raw.strip()
         if not item:
-            continue
+            raise ValueError(
+                f"optim_args item {index + 1} is empty (optim_args={optim_args!r}: two commas in a row, or a "
+                "leading or trailing comma); transformers' own parser of optim_args fails on it when training "
+                "starts. Remove the extra comma."
+            )
         if item.count("=") != 1:
             raise ValueError(
                 f"optim_args item {item!r} is not of the form key=value "
-                f"(optim_args={optim_args!r}; separate items with ',')"
+                f"(optim_args={optim_args!r}; separate items with ',', and use '=' once per item)"
             )
-        key, value = item.split("=")
+        key, value = (part.strip() for part in item.split("="))
+        for part in (key, value):
+            if " " in part:
+                raise ValueError(
+                    f"optim_args item {item!r} has a space inside {part!r}: transformers removes every space from "
+                    f"optim_args, so it would silently become {part.replace(' ', '')!r}. Write it without spaces "
+                    f"(list items are joined with {LIST_SEPARATOR!r})."
+                )
         pairs.append((key, value))
     return pairs
 
@@ -66,9 +85,10 @@ def _convert(value: str, field_type: Any) -> Any:
         args = typing.get_args(field_type)
         if type(None) in args and value.lower() in _NONE:
             return None
-        # the most specific reading first: a bool or int before a float, a list before a string
+        # the most specific reading first: a bool or int before a float, a list before a string; one name
+        # without the separator is a string where a string is accepted (a regex), else a list of one
         for arg in sorted((a for a in args if a is not type(None)), key=[bool, int, float, list, str].index):
-            if arg is list and LIST_SEPARATOR not in value:
+            if arg is list and LIST_SEPARATOR not in value and str in args:
                 continue
             try:
                 return _convert(value, arg)

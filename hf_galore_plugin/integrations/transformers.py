@@ -378,11 +378,11 @@ def _galore_state_injected(
 
 
 def checkpoint_is_complete(folder: str) -> bool:
-    """A GaLore checkpoint is complete when its ``galore_state.pt`` exists: the integration writes it
-    (atomically) after every other file of the checkpoint, and removes a stale one first."""
-    from .callback import GALORE_STATE_NAME
+    """A GaLore checkpoint is complete when its manifest exists: the integration writes it (atomically)
+    after every other file of the checkpoint, ``galore_state.pt`` included, and removes a stale one first."""
+    from .manifest import MANIFEST_NAME
 
-    return os.path.isfile(os.path.join(folder, GALORE_STATE_NAME))
+    return os.path.isfile(os.path.join(folder, MANIFEST_NAME))
 
 
 def _checkpoint_steps(output_dir: str) -> list[tuple[int, str]]:
@@ -410,9 +410,9 @@ def latest_complete_checkpoint(output_dir: str) -> Optional[str]:
 
 def _resolve_resume(output_dir: str, resume: Any) -> Any:
     """The checkpoint a GaLore run resumes from: ``True`` picks the newest *complete* one (a folder that
-    a crash left without ``galore_state.pt`` is skipped, with a warning); an explicit incomplete folder is
+    a crash left without its manifest is skipped, with a warning); an explicit incomplete folder is
     refused, naming the complete one to use."""
-    from .callback import GALORE_STATE_NAME
+    from .manifest import MANIFEST_NAME
 
     if resume is True:
         checkpoints = _checkpoint_steps(output_dir)
@@ -422,7 +422,7 @@ def _resolve_resume(output_dir: str, resume: Any) -> Any:
         if complete is None:
             raise ValueError(
                 f"resume_from_checkpoint=True: no complete GaLore checkpoint in {output_dir}: "
-                f"{[folder for _, folder in checkpoints]} lack {GALORE_STATE_NAME} (a run stopped while writing "
+                f"{[folder for _, folder in checkpoints]} lack {MANIFEST_NAME} (a run stopped while writing "
                 "them). Start a new run, or pass a complete checkpoint folder of another output_dir."
             )
         skipped = [folder for step, folder in checkpoints if step > _step_of(complete)]
@@ -431,19 +431,46 @@ def _resolve_resume(output_dir: str, resume: Any) -> Any:
                 "resume_from_checkpoint=True: skipping incomplete checkpoint(s) %s (no %s: the run stopped while "
                 "writing them); resuming from %s",
                 skipped,
-                GALORE_STATE_NAME,
+                MANIFEST_NAME,
                 complete,
             )
         return complete
     if isinstance(resume, (str, os.PathLike)) and os.path.isdir(resume) and not checkpoint_is_complete(resume):
-        complete = latest_complete_checkpoint(os.path.dirname(os.path.abspath(resume)))
-        hint = f"resume from {complete}" if complete else "no complete checkpoint is next to it"
+        from .callback import GALORE_STATE_NAME
+
+        older = (
+            f" (it has a {GALORE_STATE_NAME}: if a version without manifests wrote it and you trust its files, "
+            "write one with hf_galore_plugin.integrations.manifest.write_manifest(folder, global_step=N))"
+            if os.path.isfile(os.path.join(resume, GALORE_STATE_NAME))
+            else ""
+        )
         raise ValueError(
-            f"checkpoint {resume} is incomplete: it has no {GALORE_STATE_NAME} (the run stopped while writing it, "
-            f"or it was not written by a GaLore run); {hint}, or pass resume_from_checkpoint=True to pick the "
-            "newest complete one."
+            f"checkpoint {resume} is incomplete: it has no {MANIFEST_NAME}, which a GaLore run writes last (the "
+            f"run stopped while writing the checkpoint, or it was not written by a GaLore run of this "
+            f"version{older}); {_earlier_complete_hint(resume)}"
         )
     return resume
+
+
+def _earlier_complete_hint(folder: Any) -> str:
+    """What to resume from instead of `folder`: the newest complete checkpoint before it, next to it."""
+    parent = os.path.dirname(os.path.abspath(folder))
+    earlier = [
+        path for step, path in _checkpoint_steps(parent) if step < _step_of(folder) and checkpoint_is_complete(path)
+    ]
+    if earlier:
+        return f"resume from {earlier[0]} (pass it as resume_from_checkpoint)."
+    return "no complete checkpoint is next to it: restore its files, or start a new run."
+
+
+def verify_checkpoint(folder: Any) -> None:
+    """Check every file of checkpoint `folder` against its manifest, before anything of it is loaded
+    (:func:`~hf_galore_plugin.integrations.manifest.verify_manifest`)."""
+    from .manifest import verify_manifest
+
+    hint = _earlier_complete_hint(folder)
+    timing = verify_manifest(str(folder), hint=hint[:1].upper() + hint[1:])
+    logger.debug("GaLore: checkpoint %s verified: %.1f MB in %.2f s", folder, timing["bytes"] / 1e6, timing["seconds"])
 
 
 def _step_of(folder: str) -> int:
@@ -468,7 +495,7 @@ def _read_galore_state(folder: str, prepared: Optional[nn.Module] = None, traine
     """Read and check a checkpoint's ``galore_state.pt``: its step against the checkpoint's own
     ``trainer_state.json``, its settings against the model's (:data:`hf_galore_plugin.api.FIXED_FIELDS`
     refused, the others returned as changes). Returns the file's dict plus ``"changed"``."""
-    from ..api import GaLoreCheckpointError, compare_galore_config, read_galore_checkpoint
+    from ..api import GaLoreCheckpointError, check_galore_counters, compare_galore_config, read_galore_checkpoint
     from .callback import GALORE_STATE_NAME
 
     path = os.path.join(folder, GALORE_STATE_NAME)
@@ -479,26 +506,27 @@ def _read_galore_state(folder: str, prepared: Optional[nn.Module] = None, traine
             "start a new run from the merged model with from_pretrained."
         )
     payload = read_galore_checkpoint(path, checkpoint=folder)
-    payload["changed"] = {}
-    if payload["format"] is None:
-        logger.warning(
-            "%s was written by an earlier version of hf_galore_plugin without its step and settings: it is "
-            "loaded without checking that it belongs to this checkpoint",
-            path,
-        )
-        return payload
     step = _saved_global_step(folder)
-    if step is not None and payload["global_step"] is not None and step != payload["global_step"]:
+    if step is not None and step != payload["global_step"]:
         raise GaLoreCheckpointError(
             f"{path} belongs to step {payload['global_step']}, but checkpoint {folder} is step {step} "
             f"(trainer_state.json): the file was copied from another checkpoint or left by another run. "
             "Resume from a checkpoint whose files were written together."
         )
-    if prepared is not None and payload["config"] is not None:
+    payload["changed"] = {}
+    if prepared is not None:
         payload["changed"] = compare_galore_config(
             payload["config"], prepared.galore_config, where=f"checkpoint {folder}"
         )
+        check_galore_counters(
+            prepared,
+            payload["state"],
+            payload["config"],
+            global_step=step if step is not None else payload["global_step"],
+            where=f"checkpoint {folder} ({GALORE_STATE_NAME})",
+        )
     name = _served_name(getattr(getattr(trainer, "args", None), "optim", None))
+    # None: the run trained with its own optimizer (optimizers=(create_optimizer(...), None)), no name to compare
     if name is not None and payload["optimizer"] is not None and payload["optimizer"] != name:
         raise GaLoreCheckpointError(
             f"checkpoint {folder} was trained with optim={payload['optimizer']!r}, this run uses optim={name!r}: "
@@ -531,11 +559,11 @@ def _check_merged_weights(model: nn.Module, checkpoint_weights: dict[str, torch.
             diff = float((loaded - saved32).abs().max())
             if not diff <= rtol * max(scale, 1e-12):
                 raise GaLoreCheckpointError(
-                    f"{os.path.join(folder, GALORE_STATE_NAME)} does not belong to checkpoint {folder}: the merged "
-                    f"weight of {layer_name!r} it gives differs from the checkpoint's model file by {diff:.3g} "
-                    f"(largest weight {scale:.3g}). The GaLore state was left by another run in the same "
-                    "output_dir or copied from another checkpoint. Resume from a checkpoint whose files were "
-                    "written together."
+                    f"checkpoint {folder}: its model file and {GALORE_STATE_NAME} disagree: the merged weight of "
+                    f"{layer_name!r} they give differs by {diff:.3g} (largest weight {scale:.3g}). They were not "
+                    "written together (one was left by another run in the same output_dir, or copied from another "
+                    "checkpoint), or one of them was damaged before the checkpoint's manifest was written. Resume "
+                    "from a checkpoint whose files were written together."
                 )
 
 
@@ -550,8 +578,7 @@ def _load_peft_with_galore_state(load: Callable[[], Any], model: nn.Module, fold
         result = load()
         checkpoint_weights = {name: linear.weight.detach().clone() for name, linear in linears.items()}
     load_galore_state_dict(model, payload["state"])
-    if payload["format"] is not None:
-        _check_merged_weights(model, checkpoint_weights, folder)
+    _check_merged_weights(model, checkpoint_weights, folder)
     apply_mutable_changes(model, payload["changed"], where=f"checkpoint {folder}")
     return result
 
@@ -571,8 +598,7 @@ def _load_with_galore_state(load: Callable[[], Any], model: nn.Module, folder: s
         result = load()
     # strict: every layer and every key must be there (the injected load above is not strict)
     load_galore_state_dict(model, payload["state"])
-    if payload["format"] is not None:
-        _check_merged_weights(model, checkpoint_weights, folder)
+    _check_merged_weights(model, checkpoint_weights, folder)
     apply_mutable_changes(model, payload["changed"], where=f"checkpoint {folder}")
     return result
 
@@ -878,7 +904,12 @@ def _wrap_load_from_checkpoint(original: Callable) -> Callable:
 def _wrap_load_best_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def _load_best_model(self):
-        return _load_with_galore_checkpoint(self, lambda: original(self), self.state.best_model_checkpoint)
+        from .callback import galore_model_of
+
+        folder = self.state.best_model_checkpoint
+        if galore_model_of(self.model) is not None and folder is not None and checkpoint_is_complete(folder):
+            verify_checkpoint(folder)
+        return _load_with_galore_checkpoint(self, lambda: original(self), folder)
 
     return _mark(_load_best_model)
 
@@ -907,15 +938,16 @@ def _wrap_save_checkpoint(original: Callable) -> Callable:
 
     transformers writes the model, optimizer, scheduler, RNG and trainer state, then rotates (deletes
     checkpoints beyond ``save_total_limit``) inside ``_save_checkpoint``; ``on_save`` only comes after.
-    Here: a stale ``galore_state.pt`` in the target folder (left by an earlier run) is removed first;
-    rotation is held back during the Trainer's own writes; every file of the new checkpoint is
-    fsynced; ``galore_state.pt`` is written last and atomically (it marks the checkpoint complete,
-    :func:`checkpoint_is_complete`); only then does the Trainer's rotation run. A crash at any instant
-    leaves the previous complete checkpoint, or the new one complete.
+    Here: a stale manifest and ``galore_state.pt`` in the target folder (left by an earlier run) and our
+    temporaries there are removed first; rotation is held back during the Trainer's own writes; every file
+    of the new checkpoint is fsynced; ``galore_state.pt`` and then the manifest of every file are written
+    atomically (the manifest marks the checkpoint complete, :func:`checkpoint_is_complete`); only then does
+    the Trainer's rotation run. A crash at any instant leaves the previous complete checkpoint, or the new
+    one complete; a full disk raises one error naming the file and leaves the previous one too.
     """
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    from .callback import GALORE_STATE_NAME, galore_model_of
+    from .callback import galore_model_of
 
     @functools.wraps(original)
     def _save_checkpoint(self, model, trial, *args, **kwargs):
@@ -924,28 +956,97 @@ def _wrap_save_checkpoint(original: Callable) -> Callable:
             return original(self, model, trial, *args, **kwargs)
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        stale = os.path.join(folder, GALORE_STATE_NAME)
-        if self.args.should_save and os.path.exists(stale):
-            os.remove(stale)
-            _api.fsync_folder(folder)
+        if self.args.should_save:
+            _mark_incomplete(folder)
         limit = self.args.save_total_limit
         self.args.save_total_limit = None
         try:
-            original(self, model, trial, *args, **kwargs)
-        finally:
-            self.args.save_total_limit = limit
-        save_galore_state(self, prepared, folder)
+            try:
+                original(self, model, trial, *args, **kwargs)
+            finally:
+                self.args.save_total_limit = limit
+            save_galore_state(self, prepared, folder)
+        except Exception as exc:
+            error = _api.checkpoint_write_error(
+                exc, _file_being_written(folder, exc), previous=latest_complete_checkpoint(run_dir)
+            )
+            if error is not None:
+                raise error from None
+            raise
         if self.args.should_save and limit is not None and limit > 0:
             _rotate(self, run_dir)
 
     return _mark(_save_checkpoint)
 
 
+def _mark_incomplete(folder: str) -> None:
+    """Make a checkpoint folder about to be (re)written incomplete: its manifest first, then its
+    ``galore_state.pt`` and our temporaries (a run killed while writing them) are removed."""
+    from .callback import GALORE_STATE_NAME
+    from .manifest import MANIFEST_NAME, remove_stale_temporaries
+
+    removed = False
+    for name in (MANIFEST_NAME, GALORE_STATE_NAME):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            os.remove(path)
+            removed = True
+    if remove_stale_temporaries(folder) or removed:
+        _api.fsync_folder(folder)
+
+
+def _file_being_written(folder: str, exc: BaseException) -> str:
+    """The file under `folder` a failed save was writing. safetensors removes what it could not finish, so
+    its error means the model file; otherwise the newest file its format says is unfinished (file times
+    tie within a clock tick, and the Trainer writes small files right around the model), else the newest
+    file, else `folder` itself."""
+    weights = os.path.join(folder, "model.safetensors")
+    if type(exc).__module__.startswith("safetensors") and not os.path.exists(weights):
+        return weights
+    found = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                found.append((os.stat(path).st_mtime_ns, _unfinished(path), path))
+            except OSError:
+                continue
+    if not found:
+        return folder
+    unfinished = [entry for entry in found if entry[1]]
+    return max(unfinished or found)[2]
+
+
+def _unfinished(path: str) -> bool:
+    """Whether the file is cut short by its own format: a safetensors file shorter than its header says, a
+    zip (torch.save) without its directory, JSON that does not parse; other files count as finished."""
+    import json
+    import zipfile
+
+    size = os.path.getsize(path)
+    try:
+        if path.endswith(".safetensors"):
+            with open(path, "rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(length))
+            end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+            return size < 8 + length + end
+        if path.endswith((".pt", ".pth", ".bin")):
+            return not zipfile.is_zipfile(path)
+        if path.endswith(".json"):
+            with open(path, "rb") as handle:
+                json.loads(handle.read())
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    return False
+
+
 def save_galore_state(trainer: Any, prepared: nn.Module, folder: str) -> None:
     """Gather (every rank) and write ``galore_state.pt`` of `trainer`'s current step into `folder`
-    (process zero), after fsyncing the checkpoint's other files."""
+    (process zero), after fsyncing the checkpoint's other files, then the checkpoint's manifest."""
     from .callback import GALORE_STATE_NAME
     from .distributed import gathered_galore_state_dict
+    from .manifest import write_manifest
 
     galore_state = gathered_galore_state_dict(prepared, root=trainer.model)  # collectives under ZeRO-3 / FSDP
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -966,6 +1067,8 @@ def save_galore_state(trainer: Any, prepared: nn.Module, folder: str) -> None:
         global_step=trainer.state.global_step,
         optimizer_name=optim,
     )
+    timing = write_manifest(folder, global_step=trainer.state.global_step)
+    logger.debug("GaLore: manifest of %s: %.1f MB hashed in %.2f s", folder, timing["bytes"] / 1e6, timing["seconds"])
 
 
 def _fsync_tree(folder: str) -> None:
@@ -1010,11 +1113,25 @@ def _wrap_train(original: Callable) -> Callable:
         except TypeError:
             return original(self, *args, **kwargs)
         resume = bound.arguments.get("resume_from_checkpoint")
-        if resume not in (None, False) and self.model is not None and galore_model_of(self.model) is not None:
-            bound.arguments["resume_from_checkpoint"] = _resolve_resume(self.args.output_dir, resume)
+        if self.model is not None and galore_model_of(self.model) is not None:
+            if self.args.should_save:
+                _remove_stale_temporaries(self.args.output_dir)
+            if resume not in (None, False):
+                resume = bound.arguments["resume_from_checkpoint"] = _resolve_resume(self.args.output_dir, resume)
+                if isinstance(resume, (str, os.PathLike)) and os.path.isdir(resume):
+                    verify_checkpoint(resume)
         return original(*bound.args, **bound.kwargs)
 
     return _mark(train)
+
+
+def _remove_stale_temporaries(output_dir: str) -> None:
+    """Our temporaries in the checkpoint folders of `output_dir` whose writer died (a kill during a write)."""
+    from .manifest import remove_stale_temporaries
+
+    for _, folder in _checkpoint_steps(output_dir):
+        for path in remove_stale_temporaries(folder):
+            logger.info("GaLore: removed %s, left by a run that stopped while writing it", path)
 
 
 def _is_fsdp1(trainer: Any) -> bool:
@@ -1098,8 +1215,30 @@ def patch_peft() -> None:
     apply_patches([PatchTarget(model_cls, "save_pretrained", wrap, "peft.PeftModel.save_pretrained")])
 
 
+def _wrap_initialize_weights(original: Callable) -> Callable:
+    """transformers initialises a model module by module (``initialize_weights`` -> ``_initialize_weights``
+    -> the model's ``_init_weights``), which knows ``nn.Linear`` but not a GaLore layer: a model prepared on
+    the meta device would keep uninitialised W0s after ``to_empty()`` + ``init_weights()``. A GaLore layer
+    is initialised as the ``nn.Linear`` it replaced would be, by the model's own ``_init_weights`` (same
+    rule, same random draws), and gets a new layer's GaLore state."""
+    from ..layers import GaLoreLinear
+
+    @functools.wraps(original)
+    def _initialize_weights(self, module, *args, **kwargs):
+        if not isinstance(module, GaLoreLinear):
+            return original(self, module, *args, **kwargs)
+        if getattr(module, "_is_hf_initialized", False):
+            return None
+        module.initialize_base(lambda linear: original(self, linear, *args, **kwargs))
+        module._is_hf_initialized = True
+        return None
+
+    return _mark(_initialize_weights)
+
+
 def patch_modeling_utils() -> None:
-    """``save_pretrained`` of a GaLore-prepared model writes the merged plain weights (idempotent)."""
+    """``save_pretrained`` of a GaLore-prepared model writes the merged plain weights; ``init_weights()``
+    initialises GaLore layers through the model's own init (idempotent)."""
     from transformers import modeling_utils
 
     model_cls = getattr(modeling_utils, "PreTrainedModel", None)
@@ -1126,4 +1265,14 @@ def patch_modeling_utils() -> None:
 
         return _mark(save_pretrained)
 
-    apply_patches([PatchTarget(model_cls, "save_pretrained", wrap, "transformers.PreTrainedModel.save_pretrained")])
+    apply_patches(
+        [
+            PatchTarget(model_cls, "save_pretrained", wrap, "transformers.PreTrainedModel.save_pretrained"),
+            PatchTarget(
+                model_cls,
+                "_initialize_weights",
+                _wrap_initialize_weights,
+                "transformers.PreTrainedModel._initialize_weights",
+            ),
+        ]
+    )

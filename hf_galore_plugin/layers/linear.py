@@ -24,10 +24,9 @@ factor's optimizer state is reset so step 1 is Adam's first real step.
 
 from __future__ import annotations
 
-import math
 import struct
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -221,6 +220,9 @@ class GaLoreLinear(nn.Module):
         # Built on the meta device: after to_empty() every buffer holds uninitialised memory until
         # reset_galore_state() (create_optimizer calls it) or a load of the layer's own state.
         self._built_on_meta = weight.is_meta
+        # Whether W0 holds values after to_empty(): set by a load of the weight and by initialize_base
+        # (create_optimizer refuses a materialised layer without either).
+        self._base_initialised = not weight.is_meta
         # A new layer has no basis yet: it records on its first step (known without reading a buffer,
         # which on the meta device would fail).
         self._refresh_due_cache: Optional[bool] = self.needs_basis
@@ -265,16 +267,28 @@ class GaLoreLinear(nn.Module):
     def reset_parameters(self) -> None:
         """A fresh layer as ``nn.Linear.reset_parameters`` initialises one (W0, bias), with new GaLore state:
         the hook torch (FSDP's meta-device init) and users call on every module after ``to_empty()``."""
-        w = torch.empty(self.out_features, self.in_features, device=self.galore_factor.device, dtype=self.weight_dtype)
-        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        if self.weight is not None:
-            self.weight.copy_(w)
-        else:
-            self._store_weight(w)
+        self.initialize_base(nn.Linear.reset_parameters)
+
+    @torch.no_grad()
+    def initialize_base(self, init: Callable[[nn.Linear], None]) -> None:
+        """Initialise W0 and the bias as `init` initialises a plain ``nn.Linear`` of this shape (a model's own
+        initialisation: transformers' ``_init_weights``, torch's ``nn.Linear.reset_parameters``), then give
+        the layer a new layer's GaLore state. `init` sees ``weight`` and ``bias`` as this layer's own tensors
+        (a quantized W0 is stored from the initialised weight, rounded to nearest as when a layer is built),
+        so it draws the same random numbers as for the ``nn.Linear`` this layer replaced."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        weight = self.weight
+        if weight is None:
+            shape, device = (self.out_features, self.in_features), self.galore_factor.device
+            weight = nn.Parameter(torch.empty(shape, device=device, dtype=self.weight_dtype), requires_grad=False)
+        linear.weight = weight
         if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
-            nn.init.uniform_(self.bias, -bound, bound)
+            linear.bias = self.bias
+        init(linear)
+        if self._weight_store is not None:
+            self._weight_store.store(linear.weight.detach())
         self.reset_galore_state()
+        self._base_initialised = True
 
     # ------------------------------------------------------------------ counters
     def counter(self, name: str) -> int:
@@ -641,6 +655,8 @@ class GaLoreLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
         if prefix + "galore_step" in state_dict:
             self._built_on_meta = False  # its own state came with the load
+        if prefix + "galore_step" in state_dict or (self.weight is not None and prefix + "weight" in state_dict):
+            self._base_initialised = True
         # The load copied into (or, with assign=True, replaced) the counter buffers: refresh the host
         # copies. Every load path ends here: load_state_dict, load_galore_state_dict, the engines' and
         # the Trainer integration's resumes, torch.distributed.checkpoint's set_model_state_dict.
