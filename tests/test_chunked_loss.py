@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import RANK_ARGS, logged_losses, token_data, training_args
+from conftest import RANK_ARGS, logged_losses, token_data, training_args, use_torch_twins
 from hf_galore_plugin import GaLoreConfig, merge_and_unload, prepare_model
 from hf_galore_plugin.loss import (
     chunked_loss_settings,
@@ -121,12 +121,15 @@ def test_label_smoothing_equals_the_trainers_label_smoother(tiny_llama, num_item
 
 
 @pytest.mark.parametrize("preset", ["galore_adamw", "qgalore_adamw_8bit"])
-def test_a_galore_head_gets_the_gradients_and_the_refresh_record_of_the_unchunked_loss(tiny_llama, preset):
+def test_a_galore_head_gets_the_gradients_and_the_refresh_record_of_the_unchunked_loss(tiny_llama, preset, monkeypatch):
     # The head is a GaLoreLinear (target_modules selects lm_head; NF4 W0 and an INT4 basis under Q-GaLore):
     # the chunked loss goes through the module. Oracle: the same prepared model without the chunked loss.
     # Step 0 is every layer's calibration: the backward records the head's dense gradient, which the chunked
     # loss must record too (summed over chunks), and the factor gradient of a basis-less step is zero; so a
     # first basis is set and the factor made nonzero, then a second step compares the factor gradients.
+    # The quantization kernels run as their torch twins: under Triton's interpreter the NF4 head's dequantization
+    # (twice per chunk) takes minutes, and the kernels have tests of their own.
+    use_torch_twins(monkeypatch)
     base = _llama(tiny_llama)
     config = GaLoreConfig.preset(preset, rank=8, target_modules=["lm_head", "q_proj"], weight_storage="nf4"
                                  if preset == "qgalore_adamw_8bit" else "as_loaded")  # fmt: skip
