@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from _layer_states import BATCH, CASES, IN_FEATURES, OUT_FEATURES, PATH, RANK, batch, build, train_step
+from _layer_states import BATCH, CASES, IN_FEATURES, LR, OUT_FEATURES, PATH, RANK, batch, build, train_step
 from _tolerances import EPS32, assert_close_up_to_rounding, bf16_step, dot_tolerance, singular_vector_tolerance
 from torch import nn
 
@@ -147,6 +147,12 @@ def test_state_dict_written_by_the_old_layer_loads_to_the_same_keys_and_numbers(
             assert_close_up_to_rounding(got, value, atol=atol, step=step(value), msg=key)
         else:  # W0, its block scales, bias, factor, multiplier: |a||b| of the products ~ the largest entry
             atol = dot_tolerance(value.float().abs().max(), STEP_DOTS)
+            if dtype == torch.bfloat16 and key in ("bias", "galore_factor"):
+                # A bf16 model's forward rounds differently from the code that wrote the fixture (alpha and the
+                # low-rank branch inside one GEMM, tests/test_core.py bounds it), and AdamW divides the
+                # gradient by its own magnitude: a gradient moved by bf16 rounding moves the stepped value by
+                # up to the step size, lr.
+                atol = max(atol, torch.tensor(LR))
             assert_close_up_to_rounding(got, value, atol=atol, step=step(value), msg=key)
 
     # The old code's numbers from the bases it stored (the fixture's), recomputed here from them: apart
