@@ -27,15 +27,14 @@ from hf_galore_plugin.plan.tracker import LiveBytes  # noqa: E402
 
 
 def build(vocab: int, hidden: int, layers: int, seq: int):
-    import transformers
+    from _models import build_llama
 
-    config = transformers.LlamaConfig(
+    shape = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875), num_hidden_layers=layers,
         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
-        max_position_embeddings=seq, tie_word_embeddings=False,
+        max_position_embeddings=seq,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).train()
+    return build_llama(shape, seed=0).train()
 
 
 def step(model, ids) -> float:

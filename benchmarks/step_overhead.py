@@ -83,11 +83,9 @@ class OpCount(TorchDispatchMode):
 
 
 def build_model(size: dict[str, int], *, seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from _models import build_llama
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(**size, max_position_embeddings=2048, tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+    return build_llama(size, seed=seed)
 
 
 class Runner:
