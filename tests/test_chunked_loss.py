@@ -310,6 +310,7 @@ def test_trainer_label_smoothing_moves_into_the_chunked_loss(tiny_llama, tmp_pat
         assert abs(got[step] - want[step]) <= 1e-4, (step, got[step], want[step])
 
 
+@pytest.mark.triton  # may import Liger's kernels: under the interpreter (conftest), as the oracle test below
 def test_trainer_refuses_liger_fused_cross_entropy_with_a_galore_head(tiny_llama, tmp_path):
     # Liger's fused linear cross-entropy reads lm_head.weight: with a GaLore head that is W0 without the factor.
     with pytest.raises(ValueError, match=r"use_liger_kernel=True .*lm_head\.weight.*fused_linear_cross_entropy"):
@@ -320,6 +321,7 @@ def test_trainer_refuses_liger_fused_cross_entropy_with_a_galore_head(tiny_llama
     assert chunked_loss_settings(trainer.model) is not None
 
 
+@pytest.mark.triton  # may import Liger's kernels: under the interpreter (conftest), as the oracle test below
 def test_trainer_leaves_a_plain_head_to_liger(tiny_llama, tmp_path):
     trainer = _trainer(tiny_llama, tmp_path, RANK_ARGS + ",chunked_loss=true", use_liger_kernel=True)
     assert chunked_loss_settings(trainer.model) is None
@@ -369,6 +371,7 @@ def test_planner_models_liger_and_refuses_it_with_a_galore_head(tmp_path):
         estimate(**{**kw, "methods": ["galore_adamw"]}, liger=True, optim_args="target_modules=.*(_proj|lm_head)")
 
 
+@pytest.mark.triton  # Liger's kernels on CPU: Triton's interpreter (conftest: triton_kernels_on_cpu)
 def test_liger_fused_loss_equals_the_chunked_loss_through_galore_decoder_layers(tiny_llama):
     # Third oracle: Liger-Kernel's fused linear cross-entropy (what use_liger_kernel=True swaps in), run by
     # Triton's interpreter on CPU, on a model whose decoder layers are GaLore layers (the plain head left to
@@ -378,10 +381,6 @@ def test_liger_fused_loss_equals_the_chunked_loss_through_galore_decoder_layers(
     pytest.importorskip("liger_kernel.transformers")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    from hf_galore_plugin.utils import KERNEL_DISPATCH
-
-    if not KERNEL_DISPATCH.triton_on_cpu:
-        pytest.skip("platform: Liger's kernels need a GPU or TRITON_INTERPRET=1 (the suite's default)")
     base = tiny_llama(vocab_size=512).train()
     config = GaLoreConfig(rank=8)
     ours = prepare_model(copy.deepcopy(base), config.replace(chunked_loss=True, chunked_loss_tokens=5))
