@@ -313,7 +313,12 @@ def _as_written(optim_args: str):
 def test_optim_args_are_accepted_exactly_when_transformers_parses_them_as_written(optim_args):
     # The oracle: transformers' own parser, which runs on the same string when training starts. Ours must
     # refuse what it fails on or reads differently (spaces inside a value), and read the rest as it does.
-    trainer_optimizer = pytest.importorskip("transformers.trainer_optimizer")
+    import importlib.util
+
+    if importlib.util.find_spec("transformers.trainer_optimizer") is None:
+        pytest.skip("platform: this transformers parses optim_args inside get_optimizer_cls_and_kwargs (4.57)")
+    import transformers.trainer_optimizer as trainer_optimizer
+
     if not hasattr(trainer_optimizer, "_parse_optim_args"):
         pytest.skip("platform: this transformers parses optim_args inside get_optimizer_cls_and_kwargs (4.57)")
     try:
