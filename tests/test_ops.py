@@ -202,17 +202,21 @@ def test_step_entry_point_refuses_partial_error_feedback_state():
 
 @pytest.mark.parametrize("storage", ["int8", "nf4"])
 def test_quantized_layer_compiles_through_the_ops(storage, implementation):
-    """A GaLore layer with a quantized W0 compiles (inductor) without graph breaks and gives the eager
-    output bit for bit: dynamo sees each op through its fake registration and does not trace into the
-    Triton launcher (which, traced, fails under the interpreter) or the twin."""
+    """A GaLore layer with a quantized W0, past its calibration step, compiles (inductor) without graph breaks
+    and gives the eager output bit for bit: dynamo sees each op through its fake registration and does not
+    trace into the Triton launcher (which, traced, fails under the interpreter) or the twin. (A step that
+    records a refresh adds a backward hook: one graph break there.)"""
     from torch import nn
 
-    from hf_galore_plugin.api import prepare_model
+    from hf_galore_plugin.api import after_step, prepare_model
     from hf_galore_plugin.config import GaLoreConfig
 
     torch.manual_seed(0)
     model = prepare_model(nn.Sequential(nn.Linear(64, 96)), GaLoreConfig(rank=4, weight_storage=storage))
     x = torch.randn(4, 64)
+    model(x).square().sum().backward()
+    after_step(model)  # the first basis: the steps after it are ordinary
+    assert not model[0].refresh_due
     explanation = torch._dynamo.explain(model)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     torch._dynamo.reset()
