@@ -734,7 +734,6 @@ def save_galore_checkpoint(
     """Write ``galore_state.pt`` atomically: a temporary file in the same folder, fsync, rename, fsync
     of the folder. A reader sees the previous file or the complete new one, never a partial one. A full
     disk raises :class:`CheckpointDiskFullError` naming the file; the temporary is removed."""
-    import os
 
     payload = {
         "format": GALORE_STATE_FORMAT,
@@ -743,11 +742,19 @@ def save_galore_checkpoint(
         "config": config.to_dict(),
         "state": state,
     }
-    folder = os.path.dirname(os.path.abspath(path))
+    write_atomically(path, lambda handle: torch.save(payload, handle))
+
+
+def write_atomically(path: str, write: Callable[[Any], None]) -> None:
+    """`write(handle)` into a temporary file beside `path`, fsync, rename, fsync of the folder: a reader
+    sees the previous file or the complete new one. A full disk raises :class:`CheckpointDiskFullError`
+    naming the file; the temporary is removed."""
+    import os
+
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as handle:
-            torch.save(payload, handle)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -758,7 +765,7 @@ def save_galore_checkpoint(
         if error is not None:
             raise error from None
         raise
-    fsync_folder(folder)
+    fsync_folder(os.path.dirname(os.path.abspath(path)))
 
 
 class CheckpointDiskFullError(OSError):

@@ -31,7 +31,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from ..api import GaLoreCheckpointError, fsync_folder
+from ..api import GaLoreCheckpointError
+from ..api import write_atomically as atomic_write
 
 __all__ = [
     "MANIFEST_NAME",
@@ -233,25 +234,8 @@ def write_manifest(folder: str, *, global_step: Optional[int]) -> dict[str, floa
 
 
 def write_atomically(path: str, data: bytes) -> None:
-    """`data` to `path` through ``<path>.tmp-<pid>``: fsync, rename, fsync of the folder; a failed write
-    removes the temporary and names the file (:func:`hf_galore_plugin.api.checkpoint_write_error`)."""
-    from ..api import checkpoint_write_error
-
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        error = checkpoint_write_error(exc, path)  # before the temporary is removed: it fills the disk
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if error is not None:
-            raise error from None
-        raise
-    fsync_folder(os.path.dirname(os.path.abspath(path)))
+    """`data` to `path` through ``<path>.tmp-<pid>`` (:func:`hf_galore_plugin.api.write_atomically`)."""
+    atomic_write(path, lambda handle: handle.write(data))
 
 
 # ---------------------------------------------------------------------- read and verify
