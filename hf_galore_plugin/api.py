@@ -20,13 +20,13 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .config import GaLoreConfig
+from .config import GaLoreConfig, kept_on_resume
 from .engines.capabilities import check_moment_handling
 from .engines.collectives import is_dtensor
 from .engines.contract import gathers_parameters
 from .engines.fsdp1 import check_fsdp1_layers, fsdp1_units, group_by_unit, had_gradient, summon_unit
 from .inject import galore_state_per_layer, iter_galore_layers, iter_galore_layers_by_key, replace_targets, unload
-from .layers import GaLoreLinear
+from .layers import GaLoreLinear, assign_refresh_phases
 
 __all__ = [
     "prepare_model",
@@ -472,6 +472,10 @@ FIXED_FIELDS = (
 # Fields that only steer what happens from now on (refresh schedule, learning-rate scale, how the next
 # basis is computed): a resume takes the new value and logs it.
 MUTABLE_FIELDS = tuple(name for name in GaLoreConfig.field_names() if name not in FIXED_FIELDS)
+# The settings the staggered phases are packed from (assign_refresh_phases: the schedule, the budget, the
+# record sizes, which basis_method decides, and the number of phases, at most update_proj_gap): a resume
+# that changes one repacks them.
+REPACKED_ON_RESUME = frozenset({"refresh_schedule", "refresh_budget_mb", "basis_method", "update_proj_gap"})
 
 
 class GaLoreCheckpointError(ValueError):
@@ -510,23 +514,48 @@ def compare_galore_config(saved: dict[str, Any], current: GaLoreConfig, *, where
 
 
 def apply_mutable_changes(model: nn.Module, changed: dict[str, tuple[Any, Any]], *, where: str) -> None:
-    """Make changed schedule settings take effect on loaded layers (their counters hold the saved ones)."""
+    """Make changed schedule settings take effect on loaded layers (their counters hold the saved ones).
+
+    Settings that only a changed default moved (:func:`~hf_galore_plugin.config.kept_on_resume`) keep the
+    checkpoint's value instead, so a run started before the default changed continues as it started.
+    """
     import logging
 
-    if not changed:
+    log = logging.getLogger(__name__)
+    layers = [layer for _, layer in iter_galore_layers(model)]
+    if not changed or not layers:
         return
+    config = layers[0].config  # one object, shared by the layers, the model and GaLoreCallback
+    kept = kept_on_resume(changed, config)
+    if kept:
+        for name, value in kept.items():
+            setattr(config, name, value)
+        log.warning(
+            "%s was written with %s, the defaults before the bounded refresh: this run keeps them and continues "
+            "as it started (runs started now use %s)",
+            where,
+            ", ".join(f"{name}={value!r}" for name, value in kept.items()),
+            ", ".join(f"{name}={changed[name][1]!r}" for name in kept),
+        )
+        changed = {name: pair for name, pair in changed.items() if name not in kept}
     if "update_proj_gap" in changed or "max_proj_gap" in changed:
-        for _, layer in iter_galore_layers(model):
-            config = layer.config
+        for layer in layers:
             # a lazily grown gap restarts from the new base gap (its growth was measured with the old one)
             layer._set_counter("galore_gap", config.update_proj_gap)
             layer._set_counter("galore_agree_count", 0)
-            layer._update_refresh_due()
-    logging.getLogger(__name__).warning(
-        "%s: GaLore settings changed since the checkpoint and take effect from now on: %s",
-        where,
-        "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()),
-    )
+    if config.refresh_schedule == "staggered" and changed.keys() & REPACKED_ON_RESUME:
+        # The phases are checkpoint state, packed for the saved settings (all 0 when it was aligned):
+        # repacked, so that the new schedule, budget, record size or gap takes effect. A calibrated layer
+        # then refreshes at its new phase once its gap has passed.
+        assign_refresh_phases(layers)
+    for layer in layers:
+        layer._update_refresh_due()
+    if changed:
+        log.warning(
+            "%s: GaLore settings changed since the checkpoint and take effect from now on: %s",
+            where,
+            "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()),
+        )
 
 
 def save_galore_checkpoint(
