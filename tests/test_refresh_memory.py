@@ -1,6 +1,6 @@
 """Refresh with bounded memory: staggered refresh phases and streaming gradient sketches.
 
-Oracles: today's aligned schedule (bit-identical when every phase is 0), the dense layer gradient
+Oracles: the paper's aligned schedule (bit-identical when every phase is 0), the dense layer gradient
 (sketch == G Omega), torch.linalg.svd (the sketch's basis spans the top singular subspace), an
 uninterrupted run (resume) and one process (2 DDP ranks).
 """
@@ -105,7 +105,7 @@ def test_staggered_layers_refresh_once_per_gap_at_their_phase_within_the_budget(
 
 
 def test_aligned_schedule_records_every_layer_at_once():
-    # The memory the staggered schedule removes: today's refresh step holds every layer's gradient.
+    # The memory the staggered schedule removes: the paper's refresh step holds every layer's gradient.
     model = _model()
     layers = galore_layers(model)
     assert {int(layer.galore_phase) for _, layer in layers} == {0}
