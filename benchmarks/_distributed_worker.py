@@ -38,6 +38,9 @@ from _models import build_llama, scaled_shape
 ENGINE = os.environ["ENGINE"]  # ddp | fsdp1 | fsdp2 | zero1 | zero2 | zero3
 METHOD = os.environ["METHOD"]  # adamw_torch | galore_adamw | galore_adamw_8bit | qgalore_adamw_8bit
 BASIS = os.environ.get("BASIS", "svd")
+# The measured tables (BENCHMARKS.md "Distributed") refresh every layer on the same step, the paper's
+# schedule: the bytes of one refresh step are what they count.
+SCHEDULE = os.environ.get("REFRESH_SCHEDULE", "aligned")
 STEPS, GAP = int(os.environ.get("STEPS", 12)), int(os.environ.get("GAP", 5))
 HIDDEN, LAYERS, RANK = (
     int(os.environ.get("HIDDEN", 256)),
@@ -143,8 +146,9 @@ def build_model() -> nn.Module:
         import hf_galore_plugin as hgp
 
         galore_config = hgp.GaLoreConfig.preset(
-            METHOD, rank=RANK, update_proj_gap=GAP, basis_method=BASIS, target_modules="all-linear"
-        )
+            METHOD, rank=RANK, update_proj_gap=GAP, basis_method=BASIS, refresh_schedule=SCHEDULE,
+            target_modules="all-linear",
+        )  # fmt: skip
         model = hgp.prepare_model(model, galore_config)
     return model
 

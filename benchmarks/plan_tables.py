@@ -3,6 +3,7 @@ batch 1, gradient checkpointing, bf16, for Llama-2-7B, Llama-3-8B and Llama-3-70
 rank 256 (and rank 128 for 7B/8B: GaLore methods only, the others do not depend on the rank).
 
     python benchmarks/plan_tables.py --out outputs/plan        # writes plan_<model>_r<rank>.json and plan.md
+    python benchmarks/plan_tables.py --out outputs/plan_presets --methods galore_adamw,galore_adamw_8bit,qgalore_adamw_8bit
 
 Each (model, rank) is one `hf_galore_plugin.plan.estimate` call; its wall time is recorded in the JSON.
 Existing JSON files are reused (delete them to re-run).
@@ -31,6 +32,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--only", help="comma-separated model names to run")
+    parser.add_argument("--methods", help="comma-separated methods to plan (default: every method of the table)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     tables = []
@@ -42,6 +44,8 @@ def main(argv=None) -> int:
             plan = json.loads(path.read_text())
         else:
             start = time.perf_counter()
+            if args.methods:
+                methods = tuple(m for m in args.methods.split(",") if m in methods)
             plan = estimate(model=model, methods=methods, seq_len=2048, batch_size=1, gradient_checkpointing=True,
                             dtype="bf16", rank=rank)  # fmt: skip
             plan["seconds"] = round(time.perf_counter() - start, 1)

@@ -30,10 +30,10 @@ from hf_galore_plugin.layers import assign_refresh_phases  # noqa: E402
 # Report name: the planner's model name (hf_galore_plugin/plan/models.json holds the published shapes).
 MODELS = {"Llama-2-7B": "llama-2-7b", "Llama-3-8B": "llama-3-8b", "Llama-3-70B": "llama-3-70b"}
 VARIANTS = {
-    "aligned, svd (today)": {},
-    "staggered, svd": {"refresh_schedule": "staggered"},
-    "aligned, sketch": {"basis_method": "sketch"},
-    "staggered, sketch": {"refresh_schedule": "staggered", "basis_method": "sketch"},
+    "aligned, svd (the paper's)": {"refresh_schedule": "aligned", "basis_method": "svd"},
+    "staggered, svd": {"refresh_schedule": "staggered", "basis_method": "svd"},
+    "aligned, sketch": {"refresh_schedule": "aligned", "basis_method": "sketch"},
+    "staggered, sketch (default)": {"refresh_schedule": "staggered", "basis_method": "sketch"},
 }
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .config import GaLoreConfig
+from .config import GaLoreConfig, kept_on_resume
 from .engines.capabilities import check_moment_handling
 from .engines.collectives import is_dtensor
 from .engines.contract import gathers_parameters
@@ -697,30 +697,51 @@ def apply_mutable_changes(model: nn.Module, changed: dict[str, tuple[Any, Any]],
     gap or record size assigns the phases anew (:func:`~hf_galore_plugin.layers.assign_refresh_phases`,
     as ``prepare_model`` does), so from the resumed step each layer refreshes at the steps its new phase
     gives (all phases 0 under ``'aligned'``). Every other field is read from the layers' config as it is
-    used. Logs each change."""
+    used. Logs each change.
+
+    Settings that only a changed default moved (:func:`~hf_galore_plugin.config.kept_on_resume`) keep the
+    checkpoint's value instead, so a run started before the default changed continues as it started.
+    """
     import logging
 
     from .layers import assign_refresh_phases
 
-    if not changed:
-        return
+    log = logging.getLogger(__name__)
     layers = [layer for _, layer in iter_galore_layers(model)]
+    if not changed or not layers:
+        return
+    config = layers[0].config  # one object, shared by the layers, the model and GaLoreCallback
+    kept = kept_on_resume(changed, config)
+    if kept:
+        for name, value in kept.items():
+            setattr(config, name, value)
+        log.warning(
+            "%s was written with %s, the defaults before the bounded refresh: this run keeps them and continues "
+            "as it started (runs started now use %s)",
+            where,
+            ", ".join(f"{name}={value!r}" for name, value in kept.items()),
+            ", ".join(f"{name}={changed[name][1]!r}" for name in kept),
+        )
+        changed = {name: pair for name, pair in changed.items() if name not in kept}
     if any(name in changed for name in _GAP_FIELDS):
         for layer in layers:
-            layer._set_counter("galore_gap", layer.config.update_proj_gap)
+            layer._set_counter("galore_gap", config.update_proj_gap)
             layer._set_counter("galore_agree_count", 0)
     phases = ""
-    if any(name in changed for name in _PHASE_FIELDS):
+    if kept or any(name in changed for name in _PHASE_FIELDS):
+        # Kept settings: the loaded phases are the saved ones, which packing under the kept settings gives
+        # again; assigning them also sets the layers' host copies, which prepare_model set for the new ones.
         assigned = assign_refresh_phases(layers)
-        phases = f" (refresh phases now {sorted(set(assigned))} of update_proj_gap={layers[0].config.update_proj_gap})"
+        phases = f" (refresh phases now {sorted(set(assigned))} of update_proj_gap={config.update_proj_gap})"
     for layer in layers:
         layer._update_refresh_due()
-    logging.getLogger(__name__).warning(
-        "%s: GaLore settings changed since the checkpoint and take effect from now on: %s%s",
-        where,
-        "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()),
-        phases,
-    )
+    if changed:
+        log.warning(
+            "%s: GaLore settings changed since the checkpoint and take effect from now on: %s%s",
+            where,
+            "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()),
+            phases,
+        )
 
 
 def save_galore_checkpoint(

@@ -13,7 +13,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-__all__ = ["GaLoreConfig", "PRESETS", "PROJ_TYPES", "BASIS_METHODS", "MOMENT_HANDLING", "REFRESH_SCHEDULES"]
+__all__ = [
+    "GaLoreConfig",
+    "PRESETS",
+    "PROJ_TYPES",
+    "BASIS_METHODS",
+    "MOMENT_HANDLING",
+    "REFRESH_SCHEDULES",
+    "PAPER_REFRESH",
+    "kept_on_resume",
+]
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 BASIS_METHODS = ("svd", "randomized", "sketch")
@@ -30,6 +39,10 @@ _INT_LIMIT = 2**31
 # The layers' random streams are seeded with seed * ~2e12 + counters, which torch.Generator.manual_seed
 # takes only below 2**64: seeds up to 2**22 keep every derived seed in range.
 _SEED_LIMIT = 2**22
+# The GaLore paper's refresh: every layer records its dense gradient on the same steps and takes the
+# exact SVD. The defaults until the bounded refresh became the default (CHANGELOG, "Changed"); pass it
+# to reproduce the paper or runs made before (GaLoreConfig.preset(name, **PAPER_REFRESH)).
+PAPER_REFRESH: dict[str, Any] = {"refresh_schedule": "aligned", "basis_method": "svd"}
 
 
 def _help(text: str, **kw: Any):
@@ -54,11 +67,13 @@ class GaLoreConfig:
         default="std",
     )
     basis_method: str = _help(
-        "How a basis is computed from the layer gradient: 'svd' (exact, torch.linalg.svd in fp32), "
-        "'randomized' (Halko et al. 2011 range finder: faster for large layers) or 'sketch' (streaming: "
-        "backward accumulates a Gaussian sketch of the gradient, (rank + oversampling) x the basis side's "
-        "dimension, and the basis is the sketch's top singular subspace; the m x n gradient is never formed).",
-        default="svd",
+        "How a basis is computed from the layer gradient: 'sketch' (streaming: backward accumulates a "
+        "Gaussian sketch of the gradient, (rank + oversampling) x the basis side's dimension, and the basis "
+        "is the sketch's top singular subspace; the m x n gradient is never formed), 'svd' (exact, "
+        "torch.linalg.svd of the fp32 gradient: the GaLore paper's) or 'randomized' (Halko et al. 2011 range "
+        "finder on the fp32 gradient). Default 'sketch': no m x n record and no m x n SVD (BENCHMARKS.md "
+        "'Refresh cost'), held-out loss within seed noise of 'svd' (BENCHMARKS.md 'Ablations of the defaults').",
+        default="sketch",
     )
     oversampling: int = _help(
         "Extra columns of the randomized range finder and of the streaming sketch (Halko et al.: 5-10).", default=8
@@ -69,12 +84,13 @@ class GaLoreConfig:
         default=1,
     )
     refresh_schedule: str = _help(
-        "When layers compute their bases: 'aligned' (every layer calibrates at step 0 and refreshes every gap "
-        "at the same steps: a refresh step holds every layer's record at once) or 'staggered' (each layer has "
-        "a phase; layers are packed into phases of at most refresh_budget_mb recorded bytes, a layer calibrates "
-        "at step == its phase (its factor gets a zero gradient until then) and refreshes only at steps == its "
-        "phase modulo update_proj_gap).",
-        default="aligned",
+        "When layers compute their bases: 'staggered' (each layer has a phase; layers are packed into phases "
+        "of at most refresh_budget_mb recorded bytes, a layer calibrates at step == its phase (its factor gets "
+        "a zero gradient until then) and refreshes only at steps == its phase modulo update_proj_gap) or "
+        "'aligned' (the GaLore paper's: every layer calibrates at step 0 and refreshes every gap at the same "
+        "steps, so a refresh step holds every layer's record at once). Default 'staggered': no step holds "
+        "more than one phase's records (README 'Refresh memory').",
+        default="staggered",
     )
     refresh_budget_mb: Optional[float] = _help(
         "refresh_schedule='staggered' only: most MiB of refresh records (fp32 gradients; the sketches with "
@@ -334,6 +350,27 @@ class GaLoreConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
+
+
+def kept_on_resume(changed: dict[str, tuple[Any, Any]], current: GaLoreConfig) -> dict[str, Any]:
+    """Of the settings a resume found changed ({field: (saved, now)}), the ones to keep at the saved value.
+
+    Rule: a field whose default changed (a key of PAPER_REFRESH) that the checkpoint holds at its old
+    default and this run at its new one was chosen by neither run: it is a version's default, not a
+    request, so the resumed run keeps the saved value and continues as it started (a resumed run equals
+    an uninterrupted one). A value other than the new default is a request and takes effect as every
+    changed schedule setting does; so does the new default together with a refresh_budget_mb, which
+    only the staggered schedule has.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(GaLoreConfig)}
+    kept = {
+        name: changed[name][0]
+        for name in PAPER_REFRESH  # in its order, which the log line keeps
+        if name in changed and changed[name] == (PAPER_REFRESH[name], defaults[name])
+    }
+    if current.refresh_budget_mb is not None:
+        kept.pop("refresh_schedule", None)
+    return kept
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -212,3 +212,32 @@ def test_finetune_extend_refuses_runs_of_other_settings(tmp_path):
     assert proc.returncode != 0
     assert "were made with rank=128, this invocation asks for rank=8" in proc.stderr
     assert not (tmp_path / "out" / "runs.jsonl").exists()  # nothing copied, nothing run
+
+
+def test_refresh_cost_quick_times_a_refresh_and_an_ordinary_step_per_basis_method(tmp_path):
+    _run([sys.executable, "benchmarks/refresh_cost.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    result = json.loads((tmp_path / "refresh_cost.json").read_text())
+    assert list(result["methods"]) == ["svd", "randomized", "sketch"] and result["threads"] == 1
+    for method, row in result["methods"].items():
+        assert row["refresh_step"]["refresh"] and not row["ordinary_step"]["refresh"], method
+        for step in ("refresh_step", "ordinary_step"):
+            assert all(_finite(part["thread_s"]) for part in row[step].values() if isinstance(part, dict)), method
+    assert _finite(result["dense"]["forward_backward"]["thread_s"], result["dense"]["adamw_step"]["thread_s"])
+    assert "| sketch |" in (tmp_path / "refresh_cost.md").read_text()
+
+
+def test_step_spikes_quick_sees_every_calibration_and_refresh_of_a_cycle(tmp_path):
+    _run([sys.executable, "benchmarks/step_spikes.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    result = json.loads((tmp_path / "step_spikes.json").read_text())
+    gap = result["args"]["gap"]
+    rows = result["rows"]
+    # each preset with its defaults, then with the paper's refresh
+    assert [row["config"]["refresh_schedule"] for row in rows] == ["staggered", "aligned"] * 3
+    for row in rows:
+        steps = row["steps"]
+        assert [s["step"] for s in steps] == list(range(gap + row["phases"] + 4))
+        # every layer calibrates once in the first gap and refreshes once in the second
+        assert sum(s["refreshed"] for s in steps if s["step"] < gap) == row["layers"], row["config"]
+        assert sum(s["refreshed"] for s in steps if s["step"] >= gap) == row["layers"], row["config"]
+        assert row["worst_ratio"] >= 1.0 and row["ordinary_steps"] == sum(not s["refreshed"] for s in steps)
+    assert "| qgalore_adamw_8bit |" in (tmp_path / "step_spikes.md").read_text()

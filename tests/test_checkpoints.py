@@ -189,6 +189,24 @@ def test_changed_update_proj_gap_takes_effect_and_is_logged(run_dir, tmp_path, c
     assert {int(layer.galore_gap) for _, layer in hgp.galore_layers(trainer.model)} == {5}
 
 
+def test_resume_of_a_run_started_under_the_old_defaults_keeps_them(tmp_path, caplog):
+    # A checkpoint written with the paper's refresh, the defaults before the bounded refresh, resumed by a
+    # Trainer that names neither setting: neither refused nor switched. Oracle: the uninterrupted run,
+    # whose step 4 refreshes every layer with an exact SVD (a sketch or a staggered phase would differ).
+    paper = ARGS + ",refresh_schedule=aligned,basis_method=svd"
+    uninterrupted = make_trainer(tmp_path / "old", optim_args=paper, max_steps=6)
+    uninterrupted.train()
+    resumed = make_trainer(tmp_path / "new", optim_args=ARGS, max_steps=6)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "old" / "checkpoint-4"))
+    assert "refresh_schedule='aligned', basis_method='svd', the defaults before the bounded refresh" in caplog.text
+    config = resumed.model.galore_config
+    assert (config.refresh_schedule, config.basis_method) == ("aligned", "svd")
+    expected = hgp.galore_state_dict(uninterrupted.model)
+    for key, value in hgp.galore_state_dict(resumed.model).items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_plain_api_rank_mismatch_names_the_layer_and_the_setting():
     model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
     other = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=8))

@@ -14,6 +14,7 @@ import torch
 import galore_torch  # noqa: E402  (the oracle: scripts/env.sh installs it)
 
 from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, prepare_model  # noqa: E402
+from hf_galore_plugin.config import PAPER_REFRESH  # noqa: E402
 
 STEPS, LOG_EVERY, WARMUP = 200, 10, 20
 
@@ -62,7 +63,8 @@ def test_galore_adamw_tracks_galore_torch_within_2_percent(tiny_llama):
 
     ours_model = prepare_model(
         tiny_llama(vocab_size=96, intermediate_size=176),
-        GaLoreConfig.preset("galore_adamw", rank=rank, update_proj_gap=gap, scale=scale),
+        # galore-torch's refresh: every layer on the same steps, an exact SVD of the gradient
+        GaLoreConfig.preset("galore_adamw", rank=rank, update_proj_gap=gap, scale=scale, **PAPER_REFRESH),
     )
     assert len(galore_layers(ours_model)) == len(targets) == 14
     ours_opt = create_optimizer(ours_model, lr=lr, weight_decay=0.0)

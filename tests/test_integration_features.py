@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
-from conftest import build_tiny_llama, logged_losses, token_data, training_args  # noqa: E402
+from conftest import RANK_ARGS, build_tiny_llama, logged_losses, token_data, training_args  # noqa: E402
 from conftest import use_torch_twins  # noqa: E402
 
 losses = logged_losses
@@ -34,7 +34,9 @@ def tiny_llama(seed: int = 0):
     return build_tiny_llama(seed=seed)
 
 
-STEPS = 4  # with update_proj_gap=3: bases at step 0 and 3, so step 4 trains in a refreshed basis
+# update_proj_gap=3 (conftest.RANK_ARGS); the default staggered schedule packs the tiny Llama's 14 layers
+# into 2 phases, which calibrate at steps 0 and 1 and refresh at 3 and 4: every layer refreshes twice.
+STEPS = 5
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +123,8 @@ def test_fp16_trainer_on_cpu_trains_without_autocast_like_fp32(tmp_path, fp32_ru
     # with use_cpu=True, fp16=True trains in fp32 (Accelerator.native_amp stays False), so the run
     # must give the fp32 run's losses bit for bit. The fp16 path of our layer is tested directly under
     # torch.autocast below.
-    trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path, fp16=True), train_dataset=token_data())
+    args = training_args(tmp_path, fp16=True, max_steps=STEPS)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_data())
     assert trainer.accelerator.mixed_precision == "fp16"
     assert trainer.accelerator.native_amp is False and trainer.accelerator.scaler is None
     trainer.train()
@@ -309,26 +312,34 @@ def test_gradient_clipping_and_cosine_schedule_with_warmup(tmp_path):
 
 
 # ---------------------------------------------------------------------- fp16 models: the SVD upcast
-def test_fp16_model_refresh_computes_the_basis_in_fp32(tmp_path, monkeypatch):
-    # "fp16 SVD" is not an error for this plugin: the layer records the refresh gradient in fp32
-    # and compute_basis always decomposes in fp32 (torch has no half-precision SVD on several
-    # backends, and fp16's 11 bits would make the singular vectors inaccurate); the basis is then
-    # stored in the model's dtype. So an fp16 model trains; nothing to reject.
+@pytest.mark.parametrize("basis_method", ["svd", "sketch"])
+def test_fp16_model_refresh_computes_the_basis_in_fp32(tmp_path, monkeypatch, basis_method):
+    # "fp16 SVD" is not an error for this plugin: the layer records the refresh gradient (or its sketch)
+    # in fp32 and compute_basis / basis_from_sketch always decompose in fp32 (torch has no half-precision
+    # SVD on several backends, and fp16's 11 bits would make the singular vectors inaccurate); the basis
+    # is then stored in the model's dtype. So an fp16 model trains; nothing to reject.
     layers_module = importlib.import_module("hf_galore_plugin.layers.refresh")
-    real_compute_basis = layers_module.compute_basis
+    name = "compute_basis" if basis_method == "svd" else "basis_from_sketch"
+    real = getattr(layers_module, name)
     calls = []
 
-    def spy(grad, **kwargs):
-        basis = real_compute_basis(grad, **kwargs)
-        calls.append((grad.clone(), kwargs, basis))
+    def spy(record, **kwargs):
+        basis = real(record, **kwargs)
+        calls.append((record.clone(), kwargs, basis))
         return basis
 
-    monkeypatch.setattr(layers_module, "compute_basis", spy)
+    monkeypatch.setattr(layers_module, name, spy)
     model = tiny_llama().to(torch.float16)
-    trainer = run(tmp_path, model=model, max_steps=STEPS)
+    # svd: the paper's refresh (every layer at steps 0 and 3); sketch: the defaults (two phases, as above)
+    refresh = ",refresh_schedule=aligned,basis_method=svd" if basis_method == "svd" else ""
+    trainer = run(tmp_path, model=model, max_steps=STEPS, optim_args=RANK_ARGS + refresh)
     assert all(math.isfinite(loss) for loss in losses(trainer).values())
-    assert len(calls) == 2 * len(hgp.galore_layers(model))  # steps 0 and 3
-    for grad, kwargs, basis in calls:
+    assert len(calls) == 2 * len(hgp.galore_layers(model))  # every layer calibrates and refreshes once
+    if basis_method == "sketch":
+        for sketch, kwargs, basis in calls:
+            assert sketch.dtype == torch.float32 and basis.dtype == torch.float32
+            torch.testing.assert_close(basis.mT @ basis, torch.eye(kwargs["rank"]), rtol=0, atol=1e-5)
+    for grad, kwargs, basis in calls if basis_method == "svd" else ():
         assert grad.dtype == torch.float32 and basis.dtype == torch.float32
         identity = torch.eye(basis.shape[1])
         torch.testing.assert_close(basis.mT @ basis, identity, rtol=0, atol=1e-5)  # orthonormal in fp32

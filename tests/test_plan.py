@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402
 
+from hf_galore_plugin.config import PAPER_REFRESH  # noqa: E402
 from hf_galore_plugin.plan import estimate  # noqa: E402
 from hf_galore_plugin.plan.__main__ import main  # noqa: E402
 from hf_galore_plugin.plan.trace import Settings, scaled_trace, trace_method  # noqa: E402
@@ -95,11 +96,33 @@ def test_staggered_refresh_plan_holds_one_phase_of_records_not_every_layer():
     every = layers * 4 * (2 * hidden * hidden + 3 * hidden * inter)  # q, o (k, v are below the rank)
     base = dict(seq_len=16, batch_size=2, dtype=torch.bfloat16, gradient_checkpointing=True, device="cuda",
                 rank=16, lora_rank=8)  # fmt: skip
-    aligned = scaled_trace(config, "galore_adamw", Settings(**base, optim_args={}))
-    staggered = scaled_trace(config, "galore_adamw", Settings(**base, optim_args={"refresh_schedule": "staggered"}))
+    # dense records (basis_method='svd'), whose sizes the oracle above counts; the default sketches are smaller
+    aligned = scaled_trace(config, "galore_adamw", Settings(**base, optim_args=dict(PAPER_REFRESH)))
+    staggered = scaled_trace(
+        config, "galore_adamw", Settings(**base, optim_args={"refresh_schedule": "staggered", "basis_method": "svd"})
+    )
     assert aligned.refresh.peak_bytes - aligned.normal.peak_bytes >= 0.9 * every
     assert staggered.normal.peak_bytes == aligned.normal.peak_bytes
     assert 0 < staggered.refresh.peak_bytes - staggered.normal.peak_bytes <= 4 * largest
+
+
+@pytest.mark.parametrize("method", ["galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"])
+def test_default_presets_plan_a_refresh_step_of_one_phase(method):
+    # The shipped defaults (staggered, sketch) against the paper's refresh, the defaults before: the
+    # oracle is the records, as above. Every preset's refresh step adds one phase of sketches and one
+    # layer's refresh temporaries (a few single-layer gradients at most), not every layer's gradient.
+    hidden, inter, layers = 64, 176, 8
+    config = _llama(hidden, inter, layers, 512, kv=2)
+    largest = 4 * hidden * inter
+    every = layers * 4 * (2 * hidden * hidden + 3 * hidden * inter)
+    base = dict(seq_len=16, batch_size=2, dtype=torch.bfloat16, gradient_checkpointing=True, device="cuda",
+                rank=16, lora_rank=8)  # fmt: skip
+    default = scaled_trace(config, method, Settings(**base, optim_args={}))
+    paper = scaled_trace(config, method, Settings(**base, optim_args=dict(PAPER_REFRESH)))
+    assert default.staggered and not paper.staggered
+    assert default.normal.peak_bytes == paper.normal.peak_bytes
+    assert 0 < default.refresh.peak_bytes - default.normal.peak_bytes <= 4 * largest
+    assert paper.refresh.peak_bytes - paper.normal.peak_bytes >= 0.9 * every
 
 
 def test_json_schema_and_plot(tmp_path, capsys):

@@ -68,9 +68,12 @@ class DeepSpeedGaLoreOptimizer:
 
     Optimizer-state resets (the calibration refresh, ``moment_handling='reset'``) are applied just
     before the engine's next optimizer step. ZeRO steps a whole group as one flat partition with
-    one step counter: when every factor of a group is reset together (the calibration step of all
-    layers) the whole state restarts exactly as in one process; when only some are, their fp32
-    moments are zeroed and the shared step counter (Adam's bias correction) keeps running.
+    one step counter: when every factor of a group is reset together (the aligned schedule's
+    calibration of all layers) the whole state restarts exactly as in one process; when only some
+    are (the staggered schedule's calibrations, a lazy or staggered ``moment_handling='reset'``),
+    their moments restart at zero and the shared step counter (Adam's bias correction) keeps running.
+    A first calibration has nothing to zero (below); any other partial reset zeroes fp32 moments and
+    is refused for 8-bit ones, which share blocks with other factors inside the flat partition.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -86,19 +89,23 @@ class DeepSpeedGaLoreOptimizer:
             raise ValueError("the engine's model has no GaLore layers: call prepare_model(model, config) first")
         check_moment_handling(f"zero{self.zero_stage}", moment_handling=config.moment_handling)
         check_state_offload(f"zero{self.zero_stage}", state_offload=config.state_offload)
-        phases = [m.galore_phase for m in model.modules() if isinstance(getattr(m, "galore_phase", None), torch.Tensor)]
-        if config.state_bits == 8 and any(int(phase) > 0 for phase in phases):
-            # Checked here rather than at the first late calibration, many steps into the run.
+        self._layers = {
+            id(m.galore_factor): m for m in model.modules() if isinstance(getattr(m, "galore_factor", None), torch.Tensor)
+        }
+        phases = [int(m.galore_phase) for m in self._layers.values()]
+        if config.state_bits == 8 and config.moment_handling == "reset" and any(phase > 0 for phase in phases):
+            # Checked here rather than at the first staggered refresh, many steps into the run.
             raise NotImplementedError(
-                "refresh_schedule='staggered' under DeepSpeed ZeRO with 8-bit state: a layer calibrated after step 0 "
-                "needs its 8-bit moments reset inside a ZeRO flat partition, which is not supported; use "
-                "refresh_schedule='aligned' (with basis_method='sketch' the calibration step stays small) or state_bits=32"
+                "moment_handling='reset' with refresh_schedule='staggered' under DeepSpeed ZeRO with 8-bit state: a "
+                "refresh would reset one factor's 8-bit moments inside a ZeRO flat partition, which is not supported; "
+                "use moment_handling='keep', refresh_schedule='aligned' or state_bits=32"
             )
         self.engine = engine
         self.model = model
         self.zero_optimizer = engine.optimizer
         self.optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the client optimizer
         self._pending_resets: set[int] = set()
+        self._first_calibrations: set[int] = set()
         self._warned_partial = False
         self.optimizer.register_step_pre_hook(self._apply_pending_resets)
 
@@ -118,6 +125,12 @@ class DeepSpeedGaLoreOptimizer:
     def reset_state(self, param: torch.Tensor) -> None:
         """Forget `param`'s optimizer state, at the engine's next optimizer step."""
         self._pending_resets.add(id(param))
+        layer = self._layers.get(id(param))
+        if layer is not None and not layer.calibrated:
+            # A first calibration (the refresh counts itself only after this reset): the layer's basis was
+            # zero until now, so its factor only ever had zero gradients and its Adam moments are exactly
+            # zero (in fp32, and as 8-bit codes of the code book's exact zero), whatever shares its blocks.
+            self._first_calibrations.add(id(param))
 
     # ------------------------------------------------------------------ internals
     def _apply_pending_resets(self, optimizer, args, kwargs) -> None:
@@ -138,10 +151,23 @@ class DeepSpeedGaLoreOptimizer:
                 for flat in group["params"]:
                     _zero_state(optimizer.state.get(flat))
             else:
+                self._warn_partial_reset()
                 for param in pending:
-                    self._zero_moments_of(param)
+                    if id(param) not in self._first_calibrations:
+                        self._zero_moments_of(param)
             for param in pending:
                 self._pending_resets.discard(id(param))
+                self._first_calibrations.discard(id(param))
+
+    def _warn_partial_reset(self) -> None:
+        if not self._warned_partial:
+            warnings.warn(
+                "GaLore under ZeRO: resetting the moments of some factors of a parameter group (staggered "
+                "calibration or refresh); the group's shared step counter (Adam bias correction) is not reset, so "
+                "their first updates differ from a single process's",
+                stacklevel=3,
+            )
+            self._warned_partial = True
 
     def _zero_moments_of(self, param: torch.Tensor) -> None:
         utils = import_deepspeed("DeepSpeedGaLoreOptimizer").utils
@@ -150,18 +176,11 @@ class DeepSpeedGaLoreOptimizer:
             utils.safe_set_full_optimizer_state,
         )
 
-        if not self._warned_partial:
-            warnings.warn(
-                "GaLore under ZeRO: resetting the moments of some factors of a parameter group; the group's "
-                "shared step counter (Adam bias correction) is not reset",
-                stacklevel=2,
-            )
-            self._warned_partial = True
         for key in ("exp_avg", "exp_avg_sq"):
             if safe_get_full_optimizer_state(param, key) is None:
                 raise NotImplementedError(
                     f"cannot reset the 8-bit optimizer state of one factor inside a ZeRO flat partition (no {key!r}); "
-                    "use state_bits=32, or moment_handling='keep' with all layers calibrated at the first step"
+                    "use state_bits=32, or moment_handling='keep'"
                 )
             safe_set_full_optimizer_state(param, torch.zeros(param.shape, dtype=torch.float32), key)
 
