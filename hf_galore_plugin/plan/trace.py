@@ -416,6 +416,26 @@ def _device_semantics(device: str):
 
 
 @contextlib.contextmanager
+def _private_tensor_caches():
+    """Give the trace empty module-level tensor caches (the 0-d addmm inputs of layers.function, the
+    nibble tables of quant.functional) and restore the caller's afterwards. Under fake tensors they
+    would otherwise keep fake tensors that a later real run reads; and a trace must count the bytes of
+    the entries it makes, whichever trace of the process came first."""
+    from ..layers import function
+    from ..quant import functional
+
+    saved = dict(function._ZEROS)
+    function._ZEROS.clear()
+    functional._byte_table.cache_clear()
+    try:
+        yield
+    finally:
+        function._ZEROS.clear()
+        function._ZEROS.update(saved)
+        functional._byte_table.cache_clear()
+
+
+@contextlib.contextmanager
 def _two_error_chunks():
     """Under fake tensors, the quantization-error measure (layers.storage._relative_rms) runs its first two chunks
     only: every later chunk allocates and frees the same temporaries as the second (the last one fewer),
@@ -549,7 +569,7 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
     if not fake:
         torch.manual_seed(0)
     shortcuts = _two_error_chunks() if fake else contextlib.nullcontext()
-    with _device_semantics(settings.device), shortcuts, mode, tracker:
+    with _private_tensor_caches(), _device_semantics(settings.device), shortcuts, mode, tracker:
         model = build_fake_model(config, settings.dtype, gradient_checkpointing=settings.gradient_checkpointing)
         for t in list(model.parameters()) + list(model.buffers()):
             tracker.track(t)
