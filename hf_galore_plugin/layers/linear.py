@@ -365,9 +365,9 @@ class GaLoreLinear(nn.Module):
         before = {name: self.counter(name) for name in COUNTER_NAMES}
         self.sync_counters()
         changed = [
-            f"{name} {before[name]} -> {self._counts[name]}"
+            f"{name} {before[name]} -> {self.counter(name)}"
             for name in COUNTER_NAMES
-            if before[name] != self._counts[name]
+            if before[name] != self.counter(name)
         ]
         if changed:
             warnings.warn(
