@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from ..quant.functional import block_multiplier, dequantize_whole_blocks, whole_blocks
 from ..quant.ops import dequantize_stored
+from ..utils import use_triton
 
 if TYPE_CHECKING:
     from ..quant import QuantizedTensor
@@ -149,9 +151,14 @@ class StoredTensor:
 
 class _Reader:
     """The buffer names and static arguments of one quantized tensor's dequantization, fixed when it is
-    stored (the metadata does not change between stores)."""
+    stored (the metadata does not change between stores).
 
-    __slots__ = ("codes", "scales", "zero_points", "kwargs", "shape")
+    In eager mode a tensor of whole blocks (every W0 and basis the presets store) is decoded directly, with
+    the per-block multiplier kept between reads: it is recomputed only when the scales buffer is replaced
+    (``module.to()``, an engine) or written in place (``load_state_dict``, a refresh), as its version
+    counter shows. Traced code, Triton and other layouts go through :func:`dequantize_stored`."""
+
+    __slots__ = ("codes", "scales", "zero_points", "kwargs", "shape", "whole", "_source", "_version", "_multiplier")
 
     def __init__(self, name: str, meta: dict[str, Any], has_zero_points: bool) -> None:
         self.codes, self.scales = f"{name}_codes", f"{name}_scales"
@@ -161,10 +168,28 @@ class _Reader:
         for size in self.shape:
             numel *= size
         self.kwargs = dict(scheme=meta["scheme"], bits=meta["bits"], block_size=meta["block_size"], numel=numel)
+        self.whole = not has_zero_points and whole_blocks(**self.kwargs)
+        self._source: Optional[torch.Tensor] = None
+        self._version = -1
+        self._multiplier: Optional[torch.Tensor] = None
 
     def read(self, buffers: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
-        zero_points = None if self.zero_points is None else buffers[self.zero_points]
-        flat = dequantize_stored(buffers[self.codes], buffers[self.scales], zero_points, dtype=dtype, **self.kwargs)
+        codes, scales = buffers[self.codes], buffers[self.scales]
+        # `type(...) is torch.Tensor` rules out fake and other subclass tensors without a call.
+        if not self.whole or type(codes) is not torch.Tensor or torch.compiler.is_compiling() or use_triton(codes):
+            zero_points = None if self.zero_points is None else buffers[self.zero_points]
+            return dequantize_stored(codes, scales, zero_points, dtype=dtype, **self.kwargs).view(self.shape)
+        scheme, bits = self.kwargs["scheme"], self.kwargs["bits"]
+        if scales.is_inference():  # no version counter to tell a write by: not kept
+            multiplier = block_multiplier(scales, scheme=scheme, bits=bits)
+        elif scales is not self._source or scales._version != self._version:
+            multiplier = self._multiplier = block_multiplier(scales, scheme=scheme, bits=bits)
+            self._source, self._version = scales, scales._version
+        else:
+            multiplier = self._multiplier
+        flat = dequantize_whole_blocks(
+            codes, multiplier, scheme=scheme, bits=bits, block_size=self.kwargs["block_size"], dtype=dtype
+        )
         return flat.view(self.shape)
 
 
