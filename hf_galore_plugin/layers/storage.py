@@ -174,19 +174,19 @@ class _Reader:
         self._multiplier: Optional[torch.Tensor] = None
 
     def read(self, buffers: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
-        codes, scales = buffers[self.codes], buffers[self.scales]
+        codes: torch.Tensor = buffers[self.codes]
+        scales: torch.Tensor = buffers[self.scales]
         # `type(...) is torch.Tensor` rules out fake and other subclass tensors without a call.
         if not self.whole or type(codes) is not torch.Tensor or torch.compiler.is_compiling() or use_triton(codes):
             zero_points = None if self.zero_points is None else buffers[self.zero_points]
             return dequantize_stored(codes, scales, zero_points, dtype=dtype, **self.kwargs).view(self.shape)
         scheme, bits = self.kwargs["scheme"], self.kwargs["bits"]
+        multiplier = self._multiplier
         if scales.is_inference():  # no version counter to tell a write by: not kept
             multiplier = block_multiplier(scales, scheme=scheme, bits=bits)
-        elif scales is not self._source or scales._version != self._version:
+        elif multiplier is None or self._source is not scales or self._version != scales._version:
             multiplier = self._multiplier = block_multiplier(scales, scheme=scheme, bits=bits)
             self._source, self._version = scales, scales._version
-        else:
-            multiplier = self._multiplier
         flat = dequantize_whole_blocks(
             codes, multiplier, scheme=scheme, bits=bits, block_size=self.kwargs["block_size"], dtype=dtype
         )
