@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import warnings
+
 import pytest
 import torch
 
@@ -57,6 +59,17 @@ def test_plan_matches_real_cpu_step(config, dtype, methods, rank):
             assert abs(planned.peak_bytes - measured.peak_bytes) <= 0.05 * measured.peak_bytes, (method, which)
             assert planned.phase == measured.phase, (method, which)
         assert plan.refresh.peak_bytes >= plan.normal.peak_bytes
+
+
+def test_a_traced_refresh_takes_no_counter_write_for_a_direct_one():
+    # Fake buffers hold no values to re-read at a refresh: the layer's host counters stand, and the refresh
+    # must not report them as written behind its back (a RuntimeWarning that the trace turns into an error).
+    settings = Settings(seq_len=16, batch_size=2, dtype=torch.float32, gradient_checkpointing=True, device="cpu",
+                        rank=16, lora_rank=8, optim_args={})  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        plan = trace_method(_llama(64, 176, 2, 512), "galore_adamw", settings)
+    assert plan.refresh.peak_bytes > plan.normal.peak_bytes
 
 
 @pytest.mark.parametrize("method", ["adamw_torch", "galore_adamw_8bit"])

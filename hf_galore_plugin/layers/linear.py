@@ -364,11 +364,8 @@ class GaLoreLinear(nn.Module):
         without :meth:`sync_counters`, and say so (decisions since that write used the old values)."""
         before = {name: self.counter(name) for name in COUNTER_NAMES}
         self.sync_counters()
-        changed = [
-            f"{name} {before[name]} -> {self._counts[name]}"
-            for name in COUNTER_NAMES
-            if before[name] != self._counts[name]
-        ]
+        after = {name: self.counter(name) for name in COUNTER_NAMES}
+        changed = [f"{name} {before[name]} -> {after[name]}" for name in COUNTER_NAMES if before[name] != after[name]]
         if changed:
             warnings.warn(
                 f"GaLore layer {self.out_features}x{self.in_features}: counter buffers were written without "
