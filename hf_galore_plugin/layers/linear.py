@@ -554,12 +554,48 @@ class GaLoreLinear(nn.Module):
         # A Python bool, read in every forward (a compiled forward guards on it, not on the step count): the
         # layer re-evaluates it when its own clock ticks; a model's step driver invalidates it on the steps
         # where a layer of the model may change between due and not due (api.after_step).
-        self._refresh_due_cache = _schedule.compute_refresh_due(self)
+        self._refresh_due_cache = _schedule.refresh_due(self.counters(), self.schedule)
 
     def next_refresh_step(self) -> Optional[int]:
         """The first value of ``galore_step``, from the current one on, at which the layer is due (None:
         never, it has no basis); :func:`~.schedule.next_refresh_step`."""
-        return _schedule.next_refresh_step(self)
+        return _schedule.next_refresh_step(self.counters(), self.schedule)
+
+    def counters(self) -> _schedule.Counters:
+        """The refresh rule's counters now (host copies: no device sync)."""
+        counts = self._counts
+        return _schedule.Counters(
+            step=self.counter("galore_step"),
+            last_refresh=counts["galore_last_refresh"],
+            num_refreshes=counts["galore_num_refreshes"],
+            gap=counts["galore_gap"],
+            phase=counts["galore_phase"],
+        )
+
+    @property
+    def schedule(self) -> _schedule.Schedule:
+        """The refresh rule's fixed settings of this layer (from its config and sides)."""
+        config = self.config
+        return _schedule.Schedule(
+            staggered=config.refresh_schedule == "staggered", period=config.update_proj_gap, needs_basis=self.needs_basis
+        )
+
+    def set_refresh_phase(self, phase: int, *, gap: Optional[int] = None) -> None:
+        """Set the step (modulo ``update_proj_gap``) at which the layer refreshes under
+        ``refresh_schedule='staggered'`` and, given `gap`, its current refresh gap; ``refresh_due`` follows.
+
+        The hook for whatever assigns phases: :func:`~.schedule.assign_refresh_phases` at preparation and
+        on a resume with other settings, and the memory planner, which stages which layers refresh on its
+        traced steps. Host copies and buffers are written together (no device sync)."""
+        if phase < 0:
+            raise ValueError(f"refresh phase must be >= 0, got {phase}")
+        if gap is not None and gap < 1:
+            raise ValueError(f"refresh gap must be >= 1, got {gap}")
+        self._set_counter("galore_phase", phase)
+        self._phase = phase
+        if gap is not None:
+            self._set_counter("galore_gap", gap)
+        self._update_refresh_due()
 
     def _basis_sides(self) -> list[tuple[str, int]]:
         """(side, rank) of every side with a computed (non-identity) basis."""

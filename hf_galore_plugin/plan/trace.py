@@ -350,9 +350,7 @@ def _staggered_trace_phases(model: nn.Module, user_config, full_layers: int | No
 
     layers = _galore_layers(model)
     for _, layer in layers:
-        layer._set_counter("galore_phase", 0)
-        layer._phase = 0
-        layer._update_refresh_due()
+        layer.set_refresh_phase(0)
     traced_layers = max((i for i, _ in layers), default=-1) + 1
     depth = full_layers or traced_layers
     outside = [layer for i, layer in layers if i < 0]
@@ -376,12 +374,10 @@ def _restage(model: nn.Module, member) -> None:
     """Phases for steps 1-3 of the trace (gap 2): the member at phase 0 (due at step 2), every other
     layer at phase 1 with a gap beyond the trace (never due again)."""
     for _, layer in _galore_layers(model):
-        phase = 0 if layer is member else 1
-        layer._set_counter("galore_phase", phase)
-        layer._phase = phase
-        if layer is not member:
-            layer._set_counter("galore_gap", 1 << 20)
-        layer._update_refresh_due()
+        if layer is member:
+            layer.set_refresh_phase(0)
+        else:
+            layer.set_refresh_phase(1, gap=1 << 20)
 
 
 @contextlib.contextmanager
