@@ -33,19 +33,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
-from ..engines.collectives import full_tensor as _full_tensor
-from ..engines.collectives import is_dtensor as _is_dtensor
+from ..engines.collectives import from_local, full_tensor, is_dtensor, local_shard, same_layout, shard_like
 from ..projection import resolve_sides
 from . import refresh as _refresh_mod
 from . import schedule as _schedule
 from .function import galore_linear
 from .schedule import StepClock
 from .storage import StoredTensor
-
-try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # torch built without distributed support
-    DTensor = None
 
 __all__ = ["GaLoreLinear"]
 
@@ -419,7 +413,7 @@ class GaLoreLinear(nn.Module):
         """
         self._check_factor_layout()
         p, q = self.basis("left", dtype), self.basis("right", dtype)
-        delta = _full_tensor(self.galore_factor.detach()).to(dtype)
+        delta = full_tensor(self.galore_factor.detach()).to(dtype)
         if q is None and p is None:
             return delta * self.config.scale
         if q is not None:
@@ -429,27 +423,20 @@ class GaLoreLinear(nn.Module):
         # In place on the product (a fresh m x n tensor): one full-size temporary fewer when folding.
         return delta.mul_(self.config.scale)
 
-    def _local_lowrank_delta(self, like: "DTensor") -> torch.Tensor:
-        """This rank's part of the low-rank delta, for a W0 sharded as `like` (FSDP2: Shard(0) rows)."""
+    def _local_lowrank_delta(self, like: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the low-rank delta, for a W0 sharded as the DTensor `like` (FSDP2: Shard(0) rows)."""
         factor = self.galore_factor.detach()
-        row_local = (
-            (self.left_rank is None or self.left_identity)
-            and _is_dtensor(factor)
-            and factor.device_mesh == like.device_mesh
-            and tuple(factor.placements) == tuple(like.placements)
-        )
-        if row_local:
+        if (self.left_rank is None or self.left_identity) and same_layout(factor, like):
             # B (m x r) and W0 (m x n) share their rows and are cut the same way: the right-basis fold
             # W0 += scale * B Q^T is local to each shard and needs no communication.
-            delta = factor.to_local().to(torch.float32)
+            delta = local_shard(factor).to(torch.float32)
             q = self.basis("right", torch.float32)
             if q is not None:
                 delta = delta @ q.mT
             return delta * self.config.scale
         # A left basis mixes all rows of B into each row of W0: gather B (small), form the delta, keep
-        # this rank's rows (src_data_rank=None splits locally, without communication).
-        full = self.lowrank_delta(torch.float32)
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+        # this rank's rows (cut locally, without communication).
+        return local_shard(shard_like(like, self.lowrank_delta(torch.float32)))
 
     def effective_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """alpha * W0 + scale * lowrank(B): the weight the layer computes with, in fp32 by default.
@@ -458,17 +445,15 @@ class GaLoreLinear(nn.Module):
         gathers it); otherwise a full tensor (gathering a sharded factor: every rank must call it).
         """
         dtype = dtype or torch.float32
-        if _is_dtensor(self.weight):
-            w = self.weight
-            local = w.to_local().to(torch.float32) * self._alpha + self._local_lowrank_delta(w)
-            return DTensor.from_local(
-                local.to(dtype), w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
-            )
+        w = self.weight
+        if w is not None and is_dtensor(w):
+            local = local_shard(w).to(torch.float32) * self._alpha + self._local_lowrank_delta(w)
+            return from_local(local.to(dtype), w)
         # A fresh tensor (the product), so the delta is added in place: the same sum, one m x n fp32
         # temporary fewer at a refresh's fold (the peak of a refresh step with a quantized W0).
-        w = self.base_weight(torch.float32) * self._alpha
-        w.add_(self.lowrank_delta(torch.float32))
-        return w.to(dtype)
+        base = self.base_weight(torch.float32) * self._alpha
+        base.add_(self.lowrank_delta(torch.float32))
+        return base.to(dtype)
 
     def _check_factor_layout(self) -> None:
         expected = (self.left_rank or self.out_features, self.right_rank or self.in_features)
