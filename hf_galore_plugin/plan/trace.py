@@ -406,27 +406,6 @@ def _device_semantics(device: str):
         KERNEL_DISPATCH.inline_twins = old_inline
 
 
-@contextlib.contextmanager
-def _two_error_chunks():
-    """Under fake tensors, the quantization-error measure (layers.storage._relative_rms) runs its first two chunks
-    only: every later chunk allocates and frees the same temporaries as the second (the last one fewer),
-    so the peak is unchanged, and its value is unknown under fake tensors anyway. A 70B MLP weight has 56
-    chunks, each several dispatches through the fake mode: the whole loop dominates a Q-GaLore trace."""
-    from ..layers import storage
-
-    exact_measure = storage._relative_rms
-
-    def measure(approx, exact, chunk: int = 1 << 22) -> float:
-        keep = min(exact.numel(), 2 * chunk)
-        return exact_measure(approx.reshape(-1)[:keep], exact.reshape(-1)[:keep], chunk)
-
-    storage._relative_rms = measure
-    try:
-        yield
-    finally:
-        storage._relative_rms = exact_measure
-
-
 def _state_tensors(state: dict) -> list:
     out: list = []
     for item in state.values():
@@ -539,8 +518,7 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if not fake:
         torch.manual_seed(0)
-    shortcuts = _two_error_chunks() if fake else contextlib.nullcontext()
-    with _device_semantics(settings.device), shortcuts, mode, tracker:
+    with _device_semantics(settings.device), mode, tracker:
         model = build_fake_model(config, settings.dtype, gradient_checkpointing=settings.gradient_checkpointing)
         for t in list(model.parameters()) + list(model.buffers()):
             tracker.track(t)
