@@ -108,6 +108,21 @@ class GaLoreLinear(nn.Module):
     device anyway) and warns when they differ.
     """
 
+    # The buffers and parameters the class registers, for type checkers (nn.Module's attribute lookup
+    # types them as Tensor | Module).
+    galore_factor: nn.Parameter
+    bias: Optional[nn.Parameter]
+    base_multiplier: torch.Tensor
+    galore_step: torch.Tensor
+    galore_last_refresh: torch.Tensor
+    galore_num_refreshes: torch.Tensor
+    galore_gap: torch.Tensor
+    galore_agree_count: torch.Tensor
+    galore_last_similarity: torch.Tensor
+    galore_seed: torch.Tensor
+    galore_rng_counter: torch.Tensor
+    galore_phase: torch.Tensor
+
     def __init__(self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0) -> None:
         super().__init__()
         if not isinstance(base, nn.Linear):
@@ -115,11 +130,12 @@ class GaLoreLinear(nn.Module):
         weight = base.weight
         if not weight.is_floating_point():
             raise TypeError(f"GaLoreLinear needs a floating-point weight, got {weight.dtype}")
-        if getattr(weight, "ds_numel", weight.numel()) != weight.numel():
+        partitioned_numel = getattr(weight, "ds_numel", weight.numel())
+        if partitioned_numel != weight.numel():
             # DeepSpeed ZeRO-3 zero.Init (from_pretrained under a stage-3 config) left only this rank's
             # partition here; copying it would silently lose the rest of W0.
             raise RuntimeError(
-                f"GaLoreLinear: the weight ({weight.ds_numel} values) is partitioned by DeepSpeed ZeRO-3 "
+                f"GaLoreLinear: the weight ({partitioned_numel} values) is partitioned by DeepSpeed ZeRO-3 "
                 "(zero.Init); replace layers before partitioning, or inside "
                 "deepspeed.zero.GatheredParameters(module.parameters(), modifier_rank=0)"
             )
@@ -135,8 +151,8 @@ class GaLoreLinear(nn.Module):
         self.right_rank = min(config.rank, n) if has_right else None
         self.left_identity = has_left and config.rank >= m
         self.right_identity = has_right and config.rank >= n
-        factor_rows = self.left_rank if has_left else m
-        factor_cols = self.right_rank if has_right else n
+        factor_rows = self.left_rank if self.left_rank is not None else m
+        factor_cols = self.right_rank if self.right_rank is not None else n
         device = weight.device
 
         self.galore_factor = nn.Parameter(torch.zeros(factor_rows, factor_cols, device=device, dtype=weight.dtype))
@@ -380,6 +396,7 @@ class GaLoreLinear(nn.Module):
         """Quantize `value` into W0's buffers; stochastically rounded (config.stochastic_rounding) once the
         layer has its random stream, i.e. for every W0 but the one it was built from."""
         stochastic = self.config.stochastic_rounding and hasattr(self, "galore_seed")
+        assert self._weight_store is not None, "W0 is a plain parameter: assign it, there is nothing to quantize"
         self._weight_store.store(value, generator=self._next_generator(value.device) if stochastic else None)
 
     def base_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

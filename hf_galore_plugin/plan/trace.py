@@ -184,12 +184,14 @@ class LoRALinear(nn.Module):
             if self.bias is not None:
                 result = result + self.bias
         else:
+            assert self.weight is not None, "a plain LoRA layer keeps its weight"
             result = F.linear(x, self.weight, self.bias)
         h = x.to(self.lora_A.dtype)
         return result + ((h @ self.lora_A.mT) @ self.lora_B.mT * self.scaling).to(result.dtype)
 
 
-def _apply_lora(model: nn.Module, rank: int, *, nf4: bool) -> None:
+def _apply_lora(model: Any, rank: int, *, nf4: bool) -> None:
+    """`model`: a transformers PreTrainedModel (its enable_input_require_grads)."""
     from ..inject import swap_submodule
 
     for p in model.parameters():
@@ -228,7 +230,7 @@ def _setup(method: str, model: nn.Module, settings: Settings):
     if method == "adamw_torch":
         # foreach is torch's default on CUDA; on CPU torch picks the per-tensor loop.
         foreach = settings.device == "cuda"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
         notes.append(f"torch.optim.AdamW(foreach={foreach}): state in the parameters' dtype")
         return optimizer, (lambda: None), True, notes
     if method == "adamw_8bit":
@@ -300,7 +302,7 @@ def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     return min(chunk, tokens)
 
 
-def _loss_notes(model: nn.Module, settings: Settings, notes: list[str]) -> None:
+def _loss_notes(model: Any, settings: Settings, notes: list[str]) -> None:
     """The chunked loss of `chunked_loss=true` (installed by prepare_model) or, with `settings.liger`, Liger's fused
     linear cross-entropy, laid out as our chunked loss at Liger's chunk size (both compute the gradients in the
     forward, chunk by chunk, into an N x H and a V x H buffer; per chunk Liger holds one chunk x V buffer in
@@ -440,7 +442,7 @@ class _Roles:
     def _regions(self, model: nn.Module, optimizer, grads_of) -> None:
         owner: dict[int, int] = {}
         for index, layer in enumerate(_decoder_layers(model)):
-            tensors = list(layer.parameters()) + list(layer.buffers())
+            tensors: list[Any] = list(layer.parameters()) + list(layer.buffers())
             tensors += [getattr(m, "_pending_grad", None) for m in layer.modules()]
             for p in layer.parameters():
                 tensors.append(p.grad)
@@ -459,11 +461,12 @@ class _Roles:
                 self.tracker.unowned.add(serial)
 
     def collect(self, model: nn.Module, optimizer) -> None:
-        bases, weights = [], []
+        bases: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
         for name, buf in model.named_buffers():
             (bases if "galore_basis_" in name else weights).append(buf)
         weights += list(model.parameters())
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads: list[Any] = [p.grad for p in model.parameters() if p.grad is not None]
         grads += [getattr(m, "_pending_grad", None) for m in model.modules()]
         state: list[torch.Tensor] = []
         projector_bases: list[torch.Tensor] = []
@@ -514,7 +517,7 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
 
     tracker = LiveBytes(scalar_fallback=fake)
     roles = _Roles(tracker)
-    steps: list[dict[str, StepPeak]] = []
+    steps: list[list[tuple[str, int, StepPeak]]] = []
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if not fake:
         torch.manual_seed(0)
@@ -629,18 +632,20 @@ def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 
             )
             return full
         step = []
-        for key, b in b_keyed.items():
-            a = a_keyed[key]
-            parts = {k: _affine(a.parts[k], b.parts[k], extra) for k in b.parts}
-            step.append((key[0], -1, StepPeak(_affine(a.peak_bytes, b.peak_bytes, extra), parts, key[0], b.largest)))
+        for key, b_run in b_keyed.items():
+            a_run = a_keyed[key]
+            parts = {k: _affine(a_run.parts[k], b_run.parts[k], extra) for k in b_run.parts}
+            peak = _affine(a_run.peak_bytes, b_run.peak_bytes, extra)
+            step.append((key[0], -1, StepPeak(peak, parts, key[0], b_run.largest)))
         steps.append(step)
-    a, b = small
+    a_trace, b = small
     notes = b.notes + [
         f"traced with {base_layers} and {base_layers + 1} decoder layers, scaled to {layers} (identical layers)"
     ]
     return MethodTrace(
-        method, b.traced, steps, notes, _affine(a.trainable_grad_bytes, b.trainable_grad_bytes, extra),
-        b.largest_layer_param_bytes, b.largest_layer_grad_bytes, _affine(a.host_state_bytes, b.host_state_bytes, extra),
+        method, b.traced, steps, notes, _affine(a_trace.trainable_grad_bytes, b.trainable_grad_bytes, extra),
+        b.largest_layer_param_bytes, b.largest_layer_grad_bytes,
+        _affine(a_trace.host_state_bytes, b.host_state_bytes, extra),
         staggered=b.staggered, phase_extra_bytes=b.phase_extra_bytes,
     )  # fmt: skip
 

@@ -210,6 +210,7 @@ def quantize_blockwise_torch(
     factor = torch.where(scales > 0, torch.div(numerator, scales), 0.0)[:, None]
     # v: the value in code units (for nf4: normalized to [-1, 1], searched in the grid below)
     if scheme == "asymmetric":
+        assert zero_points is not None, "the asymmetric scheme has a zero point per block"
         v = (blocks - zero_points[:, None]) * factor
         # x - min overflows in a block wider than the float32 range; x*f - min*f does not
         v = torch.where(torch.isfinite(v), v, blocks * factor - zero_points[:, None] * factor)
@@ -298,6 +299,7 @@ def dequantize_blockwise_torch(
     if scheme == "symmetric":
         out = blocks * (scales / float(levels))[:, None]
     elif scheme == "asymmetric":
+        assert zero_points is not None, "the asymmetric scheme has a zero point per block"
         out = blocks * scales[:, None] + zero_points[:, None]
         # code * step can exceed the float32 maximum in a block wider than the float32 range: halve, add, double
         half = (blocks * (scales * 0.5)[:, None] + (zero_points * 0.5)[:, None]) * 2.0
