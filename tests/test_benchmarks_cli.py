@@ -78,14 +78,15 @@ def test_finetune_quick_learns_the_task(tmp_path):
 
 
 def test_gpu_step_code_path_on_a_tiny_model(tmp_path):
-    for method in ("adamw", "qgalore_adamw_8bit"):
+    for method in ("adamw_fused", "galore_torch", "qgalore_adamw_8bit"):
         _run([sys.executable, "benchmarks/gpu_step.py", "step", "--method", method, "--tiny", "--device", "cpu",
               "--out", str(tmp_path)], tmp_path)  # fmt: skip
     _run([sys.executable, "benchmarks/gpu_step.py", "table", "--out", str(tmp_path)], tmp_path)
     result = json.loads((tmp_path / "step_qgalore_adamw_8bit.json").read_text())
     assert _finite(result["seconds_per_step"]) and result["seconds_per_step"] > 0
     table = (tmp_path / "step.md").read_text()
-    assert "| qgalore_adamw_8bit |" in table and "| galore_adamw | not run" in table
+    assert "| qgalore_adamw_8bit |" in table and "| galore_torch |" in table and "| galore_adamw | not run" in table
+    assert "tokens/s vs adamw_fused" in table  # ratios against the strongest baseline that ran
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="platform: checks the message on a machine without CUDA")
