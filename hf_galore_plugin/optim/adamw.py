@@ -22,8 +22,8 @@ multiple of 64 values, and for every value the same as if its tensor were cut an
 `_FUSED_ALIGN`); any other fp32
 state (bf16/fp16 parameters, non-contiguous or non-CPU tensors) steps in `adamw_step_fp32`, torch's
 single-tensor op sequence. The two differ by fp32 rounding only (a few ulps after 100 steps,
-tests/test_optim.py). 8-bit state steps in `optim.adamw8bit` (Triton on CUDA,
-the compiled torch twin on the CPU).
+tests/test_optim.py). 8-bit state steps in `optim.adamw8bit` (Triton on CUDA; on the CPU the C++ step
+where it is built, else the torch step).
 Tensors with fewer than `min_8bit_numel` values keep fp32 state even when state_bits=8, as
 bitsandbytes does (its default threshold is 4096): for biases and norms the 8-bit saving is a
 few KB while their scales would cost up to 4 B per block.
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from hf_galore_plugin.optim.adamw8bit import dequantize_moment, quantize_moment
+from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, dequantize_moment, quantize_moment
 from hf_galore_plugin.optim.functional import (
     EIGHT_BIT_STATE_KEYS,
     RESIDUAL_STATE_KEYS,
@@ -466,7 +466,8 @@ class AdamW(torch.optim.Optimizer):
             if advanced:
                 self._advance_steps(advanced)
             for (_, block_size, _), (params, grads, states, steps) in eight_bit.items():
-                adamw_steps_8bit(params, grads, states, steps, block_size=block_size, **_hyper(group))
+                hyper = AdamW8bitHyper(**_hyper(group), block_size=block_size)
+                adamw_steps_8bit(params, grads, states, steps, hyper=hyper)
             for batch in fused.values():
                 # torch's multi-tensor fused AdamW kernel: one call for every fp32 tensor of the group
                 # (no per-tensor Python).
