@@ -117,15 +117,14 @@ def second_moment_floor(*, beta1: float, beta2: float) -> float:
 def dequantize_moment(
     codes: torch.Tensor,
     scales: torch.Tensor,
-    residual_codes: torch.Tensor | None,
-    residual_scales: torch.Tensor | None,
+    residual: tuple[torch.Tensor, torch.Tensor] | None,
     *,
     block_size: int,
 ) -> torch.Tensor:
-    """fp32 flat moment from its codes, plus its error-feedback residual when one is kept."""
+    """fp32 flat moment from its codes, plus its error-feedback residual (codes, scales) when one is kept."""
     value = dequantize_dynamic_blockwise(codes, scales, block_size=block_size)
-    if residual_codes is not None:
-        value = value + dequantize_dynamic_blockwise(residual_codes, residual_scales, block_size=block_size)
+    if residual is not None:
+        value = value + dequantize_dynamic_blockwise(*residual, block_size=block_size)
     return value
 
 
@@ -133,19 +132,17 @@ def quantize_moment(
     value: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
-    residual_codes: torch.Tensor | None,
-    residual_scales: torch.Tensor | None,
+    residual: tuple[torch.Tensor, torch.Tensor] | None,
     *,
     block_size: int,
 ) -> None:
-    """Store flat fp32 `value` as codes + scales, and its quantization residual when one is kept."""
+    """Store flat fp32 `value` as codes + scales, and its quantization residual in `residual` (codes,
+    scales) when one is kept."""
     signed = codes.dtype == torch.int8
     quantize_dynamic_blockwise(value, signed=signed, block_size=block_size, codes_out=codes, scales_out=scales)
-    if residual_codes is not None:
-        residual = value - dequantize_dynamic_blockwise(codes, scales, block_size=block_size)
-        quantize_dynamic_blockwise(
-            residual, signed=True, block_size=block_size, codes_out=residual_codes, scales_out=residual_scales
-        )
+    if residual is not None:
+        error = value - dequantize_dynamic_blockwise(codes, scales, block_size=block_size)
+        quantize_dynamic_blockwise(error, signed=True, block_size=block_size, codes_out=residual[0], scales_out=residual[1])
 
 
 def _dequantize_tile(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -165,23 +162,25 @@ def _quantize_tile(
     return book[index] * absmax.unsqueeze(1)
 
 
-def _step_blocks(
-    param, grad, m_codes, m_scales, v_codes, v_scales, mr_codes, mr_scales, vr_codes, vr_scales,
-    scalars, signed_book, signed_table, signed_mid, unsigned_book, unsigned_table, unsigned_mid,
-):  # fmt: skip
+def _step_blocks(tiles: Sequence[torch.Tensor], scalars: torch.Tensor, books: Sequence[torch.Tensor]) -> None:
     """The 8-bit AdamW step on (rows, width) tiles, one quantization block per row, all in place.
 
-    Scales are 1-D (rows,); residual arguments are all None without error feedback; `scalars` is the
+    `tiles`: one parameter's tensors in the op's order (`TENSOR_ARGS`), 6, or 10 with the residuals of
+    error feedback; scales are 1-D (rows,); `books`: `_code_tables`; `scalars` is the
     fp32 tensor of `AdamW8bitHyper.scalars`. Every product and sum is a separate fp32 operation (no fused
     multiply-add) and the square root is correctly rounded, as in the Triton kernel (`sqrt_rn`) and the
     C++ step: torch's CPU fp32 sqrt is not (measured: 1 ulp off on ~20% of values), so the root is taken
     in fp64 and rounded once, which gives the correctly rounded fp32 root (fp64 has more than 2 * 24 + 2
     bits)."""
+    param, grad, m_codes, m_scales, v_codes, v_scales = tiles[:6]
+    residuals = tiles[6:]
+    signed_book, signed_table, signed_mid, unsigned_book, unsigned_table, unsigned_mid = books
     decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, sq_floor, eps = scalars.unbind()
     g = grad.float()
     exp_avg = _dequantize_tile(m_codes, m_scales, signed_book, True)
     exp_avg_sq = _dequantize_tile(v_codes, v_scales, unsigned_book, False)
-    if mr_codes is not None:
+    if residuals:
+        mr_codes, mr_scales, vr_codes, vr_scales = residuals
         exp_avg = exp_avg + _dequantize_tile(mr_codes, mr_scales, signed_book, True)
         exp_avg_sq = exp_avg_sq + _dequantize_tile(vr_codes, vr_scales, signed_book, True)
     # A residual-corrected v can dip a hair below 0 where v itself is ~0; sqrt needs >= 0.
@@ -197,7 +196,7 @@ def _step_blocks(
     param.copy_(param.float() * decay - step_size * (exp_avg / denom))
     m_stored = _quantize_tile(exp_avg, m_codes, m_scales, signed_book, signed_table, signed_mid, True)
     v_stored = _quantize_tile(exp_avg_sq, v_codes, v_scales, unsigned_book, unsigned_table, unsigned_mid, False)
-    if mr_codes is not None:
+    if residuals:
         _quantize_tile(exp_avg - m_stored, mr_codes, mr_scales, signed_book, signed_table, signed_mid, True)
         _quantize_tile(exp_avg_sq - v_stored, vr_codes, vr_scales, signed_book, signed_table, signed_mid, True)
 
@@ -228,7 +227,7 @@ def adamw8bit_step_torch(
     device = param.device
     scalars = torch.tensor(hyper.scalars(step), dtype=torch.float32, device=device)
     books = _code_tables(device)
-    flat = (param, grad, *state, *([None] * (len(TENSOR_ARGS) - 2 - len(state))))
+    flat = (param, grad, *state)
     full = n // block_size
     # Blocks are independent: full blocks as one (full, block_size) tile, the partial last block as (1, rest).
     for rows, begin, end in ((full, 0, full * block_size), (1, full * block_size, n)):
@@ -237,12 +236,10 @@ def adamw8bit_step_torch(
         width = (end - begin) // rows
         first_block = begin // block_size
         tiles = [
-            None if t is None
-            else t[first_block:first_block + rows] if i % 2 == 1 and i > 1
-            else t[begin:end].view(rows, width)
+            t[first_block:first_block + rows] if i % 2 == 1 and i > 1 else t[begin:end].view(rows, width)
             for i, t in enumerate(flat)
         ]  # fmt: skip
-        _step_blocks(*tiles, scalars, *books)
+        _step_blocks(tiles, scalars, books)
 
 
 def adamw8bit_step_triton(
@@ -292,13 +289,12 @@ def _step_kernel(*args: Any) -> None:
     hyper = AdamW8bitHyper(*args[len(TENSOR_ARGS) + 1 :])
     params, grads = lists[0], lists[1]
     count = len(params)
-    module = None
     # One list is on one device (fake tensors never reach this kernel: FakeTensorMode answers with the
     # fake registration, and meta tensors are not on the CPU).
-    if count and params[0].device.type == "cpu" and not use_triton(params[0]):
-        module = adamw8bit_cpu.load_built()
-    chosen = [] if module is None else [i for i in range(count) if _cpp_applies(params[i], grads[i])]
-    if not chosen:
+    on_cpu = count > 0 and params[0].device.type == "cpu" and not use_triton(params[0])
+    module = adamw8bit_cpu.load_built() if on_cpu else None
+    chosen = [i for i in range(count) if _cpp_applies(params[i], grads[i])] if module is not None else []
+    if module is None or not chosen:
         _step_each(lists, steps, hyper)
         return
     rows = {step: hyper.scalars(step) for step in {steps[i] for i in chosen}}
