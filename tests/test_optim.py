@@ -842,3 +842,18 @@ def test_8bit_multi_step_sends_bf16_parameters_per_tensor_and_the_rest_in_one_cp
     for (single_param, single_state), param, state in zip(singles, params, states):
         assert torch.equal(param, single_param)
         assert all(torch.equal(a, b) for a, b in zip(state, single_state, strict=True))
+
+
+def test_8bit_build_command_names_a_bad_argument_and_builds_nothing(monkeypatch, capsys):
+    # `python -m hf_galore_plugin.optim.build_cpu` takes --verbose only: anything else is named, with the
+    # usage, and exits 2 before a build starts.
+    from hf_galore_plugin.optim import adamw8bit_cpu, build_cpu
+
+    def never(**kwargs):
+        raise AssertionError("a build started on a bad command line")
+
+    monkeypatch.setattr(adamw8bit_cpu, "build", never)
+    assert build_cpu.main(["--fast"]) == 2
+    assert "unknown arguments ['--fast']" in capsys.readouterr().out
+    assert build_cpu.main(["--help"]) == 0
+    assert "python -m hf_galore_plugin.optim.build_cpu" in capsys.readouterr().out
