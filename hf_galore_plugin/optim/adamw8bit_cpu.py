@@ -4,8 +4,8 @@ when built, never compiled inside a training step.
     python -m hf_galore_plugin.optim.build_cpu        # build once per machine (one to three minutes)
 
 On the CPU the torch step (`optim.adamw8bit.adamw8bit_step_torch`) is about 40 torch operations over
-memory and the C++ step one pass: 25-30x faster on 1M-16M values (BENCHMARKS.md, "The 8-bit step's CPU
-implementations"). The build needs a C++ compiler and takes minutes, so it is a separate command (or
+memory and the C++ step one pass: 20-80x faster, from a small model's tensors to one tensor of 16M values
+(BENCHMARKS.md, "The 8-bit step's CPU implementations"). The build needs a C++ compiler and takes minutes, so it is a separate command (or
 `build()`), not a side effect of a user's first step: where no build is cached, the op runs the torch
 step, which gives bit-identical results, and one log line names the command.
 
@@ -122,7 +122,7 @@ def load_built() -> ModuleType | None:
     path = library_path()
     if path is None:
         logger.warning(
-            "hf_galore_plugin: the CPU 8-bit AdamW step runs as torch operations (same results, about 25x "
+            "hf_galore_plugin: the CPU 8-bit AdamW step runs as torch operations (same results, 20-80x "
             "slower than its C++ form). Build the C++ form once for this machine with `%s` (one to three "
             "minutes; cached under %s).",
             BUILD_COMMAND,

@@ -4,7 +4,7 @@
 
 Needs a C++ compiler and ninja; takes one to three minutes; cached per machine (see
 `hf_galore_plugin.optim.adamw8bit_cpu`). Without it the CPU step runs as torch operations: same results,
-about 25x slower.
+20-80x slower.
 """
 
 from __future__ import annotations
