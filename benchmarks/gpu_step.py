@@ -61,7 +61,7 @@ def _median_seconds(fn, device: torch.device, warmup: int, repeats: int) -> floa
 def kernel(args: argparse.Namespace) -> None:
     """One AdamW step over n values: ours (8-bit blockwise, Triton), torch fused AdamW (fp32 state),
     bitsandbytes AdamW8bit. Bytes moved = what the step must read and write at least."""
-    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step
+    from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, adamw8bit_step
 
     device = torch.device(args.device)
     n = args.numel
@@ -77,9 +77,8 @@ def kernel(args: argparse.Namespace) -> None:
 
         def ours() -> None:
             step[0] += 1
-            adamw8bit_step(param, grad, codes[0], scales[0], codes[1], scales[1], None, None, None, None,
-                           step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                           block_size=block)  # fmt: skip
+            hyper = AdamW8bitHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=block)
+            adamw8bit_step(param, grad, (codes[0], scales[0], codes[1], scales[1]), step=step[0], hyper=hyper)
 
         size = param.element_size()
         moved = n * (2 * size + size + 2 * 2) + 4 * blocks * 2 * 2  # param r/w, grad r, 2 moments r/w, scales

@@ -22,8 +22,8 @@ multiple of 64 values, and for every value the same as if its tensor were cut an
 `_FUSED_ALIGN`); any other fp32
 state (bf16/fp16 parameters, non-contiguous or non-CPU tensors) steps in `adamw_step_fp32`, torch's
 single-tensor op sequence. The two differ by fp32 rounding only (a few ulps after 100 steps,
-tests/test_optim.py). 8-bit state steps in `optim.adamw8bit` (Triton on CUDA,
-the compiled torch twin on the CPU).
+tests/test_optim.py). 8-bit state steps in `optim.adamw8bit` (Triton on CUDA; on the CPU the C++ step
+where it is built, else the torch step).
 Tensors with fewer than `min_8bit_numel` values keep fp32 state even when state_bits=8, as
 bitsandbytes does (its default threshold is 4096): for biases and norms the 8-bit saving is a
 few KB while their scales would cost up to 4 B per block.
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from hf_galore_plugin.engines.collectives import from_local, is_dtensor, local_shard, one_row_per_shard
-from hf_galore_plugin.optim.adamw8bit import dequantize_moment, quantize_moment
+from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, dequantize_moment, quantize_moment
 from hf_galore_plugin.optim.functional import (
     EIGHT_BIT_STATE_KEYS,
     RESIDUAL_STATE_KEYS,
@@ -366,23 +366,24 @@ class AdamW(torch.optim.Optimizer):
         if offload and is_dtensor(param):  # parameters swapped for DTensors after construction
             _refuse_dtensor_offload()
         # Offloaded state is created on the host directly: the device never holds a whole state tensor.
-        where = {"device": "cpu"} if offload else {}
+        device = "cpu" if offload else None  # None: the parameter's
         # The global numel decides, so every rank of a DTensor picks the same state format.
         if group["state_bits"] == 32 or param.numel() < group["min_8bit_numel"]:
             for key in ("exp_avg", "exp_avg_sq"):
                 # Offloaded moments are contiguous: chunks are ranges of the flattened values.
                 layout = torch.contiguous_format if offload else torch.preserve_format
-                state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=layout, **where)
+                state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=layout, device=device)
         else:
             block_size = group["block_size"]
             state["block_size"] = block_size
             residuals = RESIDUAL_STATE_KEYS if group["error_feedback"] else ()
             for key in EIGHT_BIT_STATE_KEYS + residuals:
                 if key.endswith("scales"):
-                    state[key] = _block_scales(param, block_size, **where)
+                    state[key] = _block_scales(param, block_size, device)
                 else:
                     dtype = torch.uint8 if key == "exp_avg_sq_codes" else torch.int8
-                    state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format, **where)
+                    layout = torch.contiguous_format
+                    state[key] = torch.zeros_like(param, dtype=dtype, memory_format=layout, device=device)
         if offload:
             state = {key: host_copy(v) if isinstance(v, torch.Tensor) else v for key, v in state.items()}
         return state
@@ -440,7 +441,8 @@ class AdamW(torch.optim.Optimizer):
             if advanced:
                 self._advance_steps(advanced)
             for (_, block_size, _), (params, grads, states, steps) in eight_bit.items():
-                adamw_steps_8bit(params, grads, states, steps, block_size=block_size, **_hyper(group))
+                hyper = AdamW8bitHyper(**_hyper(group), block_size=block_size)
+                adamw_steps_8bit(params, grads, states, steps, hyper=hyper)
             for batch in fused.values():
                 # torch's multi-tensor fused AdamW kernel: one call for every fp32 tensor of the group
                 # (no per-tensor Python).
@@ -473,7 +475,7 @@ class AdamW(torch.optim.Optimizer):
         hyper = _hyper(group, step)
         align = math.lcm(_FUSED_ALIGN, block_size or 1)
         bounds = chunk_bounds(values.numel(), bytes_per_value(state, block_size), self._chunk_bytes, align)
-        chunks = []
+        chunks: list[tuple[dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], None]]] = []
         for start, end in bounds:
             part, part_grad = values[start:end], grads[start:end]
 
@@ -618,20 +620,20 @@ def _transform(
     block_size = state["block_size"]
     n_blocks = math.ceil(math.prod(local_shape) / block_size)
 
-    def flat(key: str) -> torch.Tensor | None:
-        if key not in state:
-            return None
+    def flat(key: str) -> torch.Tensor:
         view = local_shard(state[key]).view(-1)
         return view[:n_blocks] if key.endswith("scales") else view
 
     moments = []
     for name in ("exp_avg", "exp_avg_sq"):
-        keys = (f"{name}_codes", f"{name}_scales", f"{name}_residual_codes", f"{name}_residual_scales")
-        moments.append((keys, dequantize_moment(*(flat(k) for k in keys), block_size=block_size)))
-    new_values = fn(*(m.view(local_shape) for _, m in moments))
+        codes, scales = flat(f"{name}_codes"), flat(f"{name}_scales")
+        with_residual = f"{name}_residual_codes" in state
+        residual = (flat(f"{name}_residual_codes"), flat(f"{name}_residual_scales")) if with_residual else None
+        moments.append((codes, scales, residual, dequantize_moment(codes, scales, residual, block_size=block_size)))
+    new_values = fn(*(m[3].view(local_shape) for m in moments))
     _check_shape(*new_values, local_shape)
-    for (keys, _), value in zip(moments, new_values):
-        quantize_moment(value.float().reshape(-1), *(flat(k) for k in keys), block_size=block_size)
+    for (codes, scales, residual, _), value in zip(moments, new_values):
+        quantize_moment(value.float().reshape(-1), codes, scales, residual, block_size=block_size)
 
 
 def _check_shape(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, shape: torch.Size) -> None:
