@@ -38,6 +38,7 @@ import functools
 import math
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..codes import code_dtype, code_levels, grid_table, nibble_offset, packed_numel
 
@@ -122,7 +123,14 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _byte_table(scheme: str, device: torch.device) -> torch.Tensor:
     """(256, 2) fp32: the values of the low and the high nibble of every byte before the block scale
-    (symmetric int4: code - 8; NF4: the code book's value). Cached per device (read-only)."""
+    (symmetric int4: code - 8; NF4: the code book's value). Cached per device (read-only), and always a real
+    tensor: built outside any fake-tensor mode that is active at the first call (the memory planner's trace),
+    so a later real run never reads a cached fake table."""
+    with unset_fake_temporarily():
+        return _build_byte_table(scheme, device)
+
+
+def _build_byte_table(scheme: str, device: torch.device) -> torch.Tensor:
     nibbles = torch.arange(256)
     pairs = torch.stack([nibbles & 15, nibbles >> 4], dim=1)
     if scheme == "symmetric":
