@@ -26,9 +26,10 @@ from conftest import use_torch_twins  # noqa: E402
 from conftest import token_data as shared_token_data  # noqa: E402
 from conftest import training_args  # noqa: E402
 
-from hf_galore_plugin.api import GaLoreCheckpointError  # noqa: E402
-from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME  # noqa: E402
-from hf_galore_plugin.integrations.manifest import MANIFEST_NAME, write_manifest  # noqa: E402
+from hf_galore_plugin.checkpoint.files import GaLoreCheckpointError  # noqa: E402
+from hf_galore_plugin.checkpoint.manifest import MANIFEST_NAME, write_manifest  # noqa: E402
+from hf_galore_plugin.checkpoint.state import GALORE_STATE_FORMAT, GALORE_STATE_NAME  # noqa: E402
+from hf_galore_plugin.integrations import saving  # noqa: E402
 
 ARGS = "rank=4,update_proj_gap=2"
 
@@ -85,7 +86,7 @@ def reseal(folder) -> None:
 # ---------------------------------------------------------------------- file format
 def test_galore_state_carries_step_settings_and_optimizer(run_dir):
     saved = torch.load(run_dir / "checkpoint-4" / GALORE_STATE_NAME, weights_only=True)
-    assert saved["format"] == hgp.api.GALORE_STATE_FORMAT
+    assert saved["format"] == GALORE_STATE_FORMAT
     assert saved["global_step"] == 4 and saved["optimizer"] == "galore_adamw"
     assert saved["config"] == hgp.GaLoreConfig(rank=4, update_proj_gap=2).to_dict()
     assert any(key.endswith("galore_factor") for key in saved["state"])
@@ -260,13 +261,13 @@ def test_explicit_incomplete_checkpoint_is_refused_naming_the_complete_one(run_d
 def test_rotation_waits_for_the_galore_state(tmp_path, monkeypatch):
     # save_total_limit=1: when galore_state.pt of checkpoint-4 is written, checkpoint-2 must still exist.
     seen = []
-    original = hgp.api.save_galore_checkpoint
+    original = saving.save_galore_checkpoint
 
     def spy(path, *args, **kwargs):
         seen.append(sorted(name for name in os.listdir(os.path.dirname(os.path.dirname(path))) if "checkpoint" in name))
         return original(path, *args, **kwargs)
 
-    monkeypatch.setattr(hgp.api, "save_galore_checkpoint", spy)
+    monkeypatch.setattr(saving, "save_galore_checkpoint", spy)
     make_trainer(tmp_path, save_total_limit=1).train()
     assert seen == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"]]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]

@@ -30,15 +30,15 @@ from conftest import build_tiny_llama, token_data, training_args, use_torch_twin
 from transformers import Trainer  # noqa: E402
 
 import hf_galore_plugin as hgp  # noqa: E402
-from hf_galore_plugin.api import GaLoreCheckpointError  # noqa: E402
-from hf_galore_plugin.layers import assign_refresh_phases  # noqa: E402
-from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME  # noqa: E402
-from hf_galore_plugin.integrations.manifest import (  # noqa: E402
+from hf_galore_plugin.checkpoint.files import GaLoreCheckpointError  # noqa: E402
+from hf_galore_plugin.checkpoint.manifest import (  # noqa: E402
     MANIFEST_NAME,
     CheckpointIntegrityError,
     checkpoint_files,
     write_manifest,
 )
+from hf_galore_plugin.checkpoint.state import GALORE_STATE_NAME  # noqa: E402
+from hf_galore_plugin.layers import assign_refresh_phases  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fault_worker.py")
 

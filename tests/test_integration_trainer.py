@@ -18,7 +18,8 @@ import hf_galore_plugin as hgp
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback  # noqa: E402
 
-from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME, GaLoreCallback  # noqa: E402
+from hf_galore_plugin.checkpoint.state import GALORE_STATE_NAME  # noqa: E402
+from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
 from conftest import RANK_ARGS, build_tiny_llama, logged_losses, run_python, token_data, training_args  # noqa: E402
 from conftest import use_torch_twins  # noqa: E402
 

@@ -16,7 +16,7 @@ optimizer skipped (fp16 loss-scale overflow, ``step_was_skipped``) is not counte
 Under DeepSpeed the engine steps inside the last micro-batch's ``accelerator.backward`` (the
 Trainer's ``optimizer.step()`` is a no-op there), so ``on_step_end`` still comes after the update;
 ``after_step`` then talks to the engine through
-:class:`~hf_galore_plugin.integrations.distributed.DeepSpeedGaLoreOptimizer` (the engine keeps an
+:class:`~hf_galore_plugin.engines.deepspeed.DeepSpeedGaLoreOptimizer` (the engine keeps an
 fp32 master of every factor, and ZeRO-3 partitions the layers), which needs the Trainer's engine:
 the integration binds every ``GaLoreCallback`` to its Trainer when the Trainer is constructed.
 
@@ -43,14 +43,17 @@ from transformers import TrainerCallback
 from transformers.utils.logging import tqdm
 
 from ..api import after_step, galore_layers, galore_stats, refreshes_due
-
+from ..checkpoint.manifest import MANIFEST_NAME, read_manifest
+from ..checkpoint.state import GALORE_STATE_NAME
 from ..config import GaLoreConfig
+from .common import checkpoint_folder, galore_model_of, unwrap_optimizer
+from .patching import trainer_is_patched
+from .saving import save_galore_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GaLoreCallback", "GALORE_STATE_NAME", "unwrap_optimizer", "galore_model_of"]
+__all__ = ["GaLoreCallback"]
 
-GALORE_STATE_NAME = "galore_state.pt"
 LOG_PREFIX = "galore/"
 # What a user watching the console needs from each log line (at most 4 keys; the rest are constant
 # or slow-moving numbers that belong in plots):
@@ -71,30 +74,6 @@ REFRESH_PROGRESS_DELAY_S = 2.0
 # Console callbacks of transformers, by class name: NotebookProgressCallback's module imports IPython.
 _CONSOLE_CALLBACKS = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")
 _clock = time.perf_counter
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The innermost torch optimizer under accelerate's / DeepSpeed's wrappers (``.optimizer`` chains).
-
-    accelerate's ``AcceleratedOptimizer`` mirrors ``param_groups`` but has no hook registries of its
-    own; hooks and ``after_step`` need the optimizer that really steps.
-    """
-    while True:
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
-            return optimizer
-        optimizer = inner
-
-
-def galore_model_of(model: Any) -> Any:
-    """The module holding ``galore_config`` under DDP/compile/peft wrappers, or None."""
-    for candidate in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
-        if candidate is not None and getattr(candidate, "galore_config", None) is not None:
-            return candidate
-    for module in model.modules():
-        if getattr(module, "galore_config", None) is not None:
-            return module
-    return None
 
 
 class GaLoreCallback(TrainerCallback):
@@ -242,7 +221,7 @@ class GaLoreCallback(TrainerCallback):
             self._install_lr_hooks(optimizer)
         engine = self._deepspeed_engine(optimizer)
         if engine is not None:
-            from .distributed import DeepSpeedGaLoreOptimizer
+            from ..engines.deepspeed import DeepSpeedGaLoreOptimizer
 
             self._engine_optimizer = DeepSpeedGaLoreOptimizer(engine)
 
@@ -325,19 +304,17 @@ class GaLoreCallback(TrainerCallback):
 
     def on_save(self, args, state, control, model=None, **kwargs):
         # The integration writes galore_state.pt inside Trainer._save_checkpoint, before rotation
-        # (integrations.transformers.save_galore_state). This covers a Trainer subclass whose own
+        # (integrations.saving.save_galore_state). This covers a Trainer subclass whose own
         # _save_checkpoint does not reach the integration's.
         trainer = self._trainer() if self._trainer is not None else None
         if trainer is not None and getattr(trainer, "_galore_saved_step", None) == state.global_step:
             return
-        from .transformers import save_galore_state, trainer_is_patched
-
         if not trainer_is_patched():
             # Without the patches (HF_GALORE_PLUGIN_NO_PATCH=1) the checkpoint's model file holds every
             # GaLore layer's own tensors, which the Trainer's resume loads back exactly: nothing to add.
             return
 
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        folder = checkpoint_folder(args.output_dir, state.global_step)
         if trainer is None:
             # not bound (added with trainer.add_callback): the integration's save has run if the file is there
             if _saved_for_step(folder, state.global_step):
@@ -353,8 +330,6 @@ class GaLoreCallback(TrainerCallback):
 
 def _saved_for_step(folder: str, step: int) -> bool:
     """Whether the integration completed checkpoint `folder` at `step` (its manifest, written last, says so)."""
-    from .manifest import MANIFEST_NAME, read_manifest
-
     if not os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
         return False
     return read_manifest(folder).get("global_step") == step
