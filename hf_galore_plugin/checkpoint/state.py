@@ -234,9 +234,9 @@ def save_galore_checkpoint(
 def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> dict[str, Any]:
     """Read ``galore_state.pt``; returns the dict :func:`save_galore_checkpoint` wrote.
 
-    An unreadable file, or one in a format this version cannot verify (the plain dict of tensors of
-    unreleased development versions, without step and settings), raises :class:`GaLoreCheckpointError`
-    naming the file and its checkpoint.
+    An unreadable file, or one without this format's marker (``"format"``: nothing else says which step,
+    settings and optimizer its tensors belong to), raises :class:`GaLoreCheckpointError` naming the file
+    and its checkpoint.
     """
     where = f"checkpoint {checkpoint}" if checkpoint else f"file {path}"
     try:
@@ -252,23 +252,18 @@ def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> di
             cause = "it does not hold plain tensors and values (GaLore's own format)"
         raise GaLoreCheckpointError(
             f"GaLore state {path} ({size if 'size' in locals() else '?'} bytes) of {where} cannot be read: "
-            f"{type(exc).__name__}: {cause[:300]}. The file is truncated or damaged (a crash while it was "
-            "written by a version without atomic saves, a copy that did not finish, a full disk). Resume "
+            f"{type(exc).__name__}: {cause[:300]}. The file is truncated or damaged (a copy that did not "
+            "finish, a damaged disk, or it was replaced after the checkpoint was written). Resume "
             "from an earlier complete checkpoint of this run, or restore this file."
         ) from None
     if isinstance(loaded, dict) and loaded.get("format") == GALORE_STATE_FORMAT:
         return loaded
-    if isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
-        # Nothing in it says which step, settings or optimizer it belongs to, so no resume check could run.
-        raise GaLoreCheckpointError(
-            f"GaLore state {path} of {where} is in the format of unreleased development versions of "
-            f"hf_galore_plugin (a plain dict of tensors, without its step and settings), which this version "
-            f"cannot verify against its checkpoint. Resume from a checkpoint written by this version, or start "
-            "a new run from the checkpoint's merged weights (from_pretrained of the checkpoint folder)."
-        )
     raise GaLoreCheckpointError(
-        f"GaLore state {path} of {where} is not a galore_state.pt written by hf_galore_plugin "
-        f"(found a {type(loaded).__name__} with keys {sorted(loaded)[:5] if isinstance(loaded, dict) else '-'})."
+        f"GaLore state {path} of {where} is not a galore_state.pt written by hf_galore_plugin: found a "
+        f"{type(loaded).__name__} with keys {sorted(loaded)[:5] if isinstance(loaded, dict) else '-'}, without "
+        f"format {GALORE_STATE_FORMAT!r}, so nothing says which step and settings its tensors belong to. Resume "
+        "from a checkpoint whose files a GaLore run wrote together, or start a new run from the checkpoint's "
+        "merged weights (from_pretrained of the checkpoint folder)."
     )
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..api import galore_layers, load_galore_state_dict
 from ..checkpoint.manifest import MANIFEST_NAME, remove_stale_temporaries, verify_manifest
-from ..checkpoint.state import GALORE_STATE_NAME, apply_mutable_changes, check_merged_weights, read_checkpoint_state
+from ..checkpoint.state import apply_mutable_changes, check_merged_weights, read_checkpoint_state
 from .common import checkpoint_is_complete, checkpoint_steps, galore_model_of, latest_complete_checkpoint, step_of
 from .engine_resume import load_fsdp_galore_state
 from .names import trainer_optimizer_name
@@ -100,16 +100,10 @@ def _resolve_resume(output_dir: str, resume: Any) -> Any:
             )
         return complete
     if isinstance(resume, (str, os.PathLike)) and os.path.isdir(resume) and not checkpoint_is_complete(resume):
-        older = (
-            f" (it has a {GALORE_STATE_NAME}: if a version without manifests wrote it and you trust its files, "
-            "write one with hf_galore_plugin.integrations.manifest.write_manifest(folder, global_step=N))"
-            if os.path.isfile(os.path.join(resume, GALORE_STATE_NAME))
-            else ""
-        )
         raise ValueError(
             f"checkpoint {resume} is incomplete: it has no {MANIFEST_NAME}, which a GaLore run writes last (the "
-            f"run stopped while writing the checkpoint, or it was not written by a GaLore run of this "
-            f"version{older}); {_earlier_complete_hint(resume)}"
+            f"run stopped while writing the checkpoint, or a GaLore run did not write it); "
+            f"{_earlier_complete_hint(resume)}"
         )
     return resume
 

@@ -25,7 +25,7 @@ from ..api import galore_layers, merged_state_dict
 from ..checkpoint.files import checkpoint_write_error, fsync_folder, fsync_path
 from ..checkpoint.manifest import MANIFEST_NAME, remove_stale_temporaries, write_manifest
 from ..checkpoint.state import GALORE_STATE_NAME, save_galore_checkpoint
-from ..inject import plain_linear, swap_submodule
+from ..inject import plain_linear, state_dict_name, swap_submodule
 from .common import checkpoint_folder, galore_model_of, latest_complete_checkpoint
 from .distributed import gathered_galore_state_dict, merged_state_dict_from
 from .names import served_name
@@ -213,10 +213,7 @@ def merged_linears(model: nn.Module) -> Iterator[dict[str, nn.Linear]]:
     merged = merged_state_dict(model)
     swapped, linears = [], {}
     for layer_name, layer in galore_layers(model):
-        key = f"{layer_name}.weight"
-        for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-            key = key.replace(wrapper, "")
-        linear = plain_linear(layer, merged[key], requires_grad=False)
+        linear = plain_linear(layer, merged[f"{state_dict_name(layer_name)}.weight"], requires_grad=False)
         linears[layer_name] = linear
         swapped.append((*swap_submodule(model, layer_name, linear), layer))
     try:
