@@ -1,7 +1,7 @@
 """The plain-PyTorch API: prepare a model, build its optimizer, step, merge.
 
 model = prepare_model(model, GaLoreConfig.preset("qgalore_adamw_8bit", rank=128))
-optimizer = create_optimizer(model, model.galore_config, lr=1e-3, weight_decay=0.01)
+optimizer = create_optimizer(model, lr=1e-3, weight_decay=0.01)
 for batch in data:
     loss = model(**batch).loss
     loss.backward()
@@ -32,6 +32,7 @@ from .layers import GaLoreLinear
 from .layers.linear import scale_bases
 from .layers.schedule import StepClock
 from .loss import disable_chunked_loss, enable_chunked_loss
+from .state import forget_state, record_state, state_of
 
 __all__ = [
     "prepare_model",
@@ -58,9 +59,9 @@ def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
             f"config must be a hf_galore_plugin.GaLoreConfig, got {type(config).__name__}; "
             "use GaLoreConfig.preset('galore_adamw') or GaLoreConfig(rank=..., ...)"
         )
-    existing = getattr(model, "galore_config", None)
+    existing = state_of(model)
     if existing is not None:
-        if existing == config:
+        if existing.config == config:
             return model
         raise ValueError("model was already prepared with a different GaLoreConfig; merge_and_unload(model) first")
     if config.chunked_loss:
@@ -71,8 +72,7 @@ def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
     except BaseException:
         disable_chunked_loss(model)
         raise
-    model.galore_config = config
-    model.galore_report = report
+    record_state(model, config, report)
     return model
 
 
@@ -150,8 +150,8 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
             # ZeRO-3 steps one sub-group at a time and leaves the other groups' "params" empty meanwhile.
             if not group.get("galore") or not group["params"]:
                 continue
-            # merge_and_unload marks every factor of the model; the group's first one tells
-            if getattr(group["params"][0], "_galore_unloaded", False):
+            # merge_and_unload records every factor of the model; the group's first one tells
+            if _was_unloaded(group["params"][0]):
                 raise RuntimeError(_STEP_AFTER_UNLOAD)
             if not wd:
                 continue
@@ -192,7 +192,7 @@ def _check_step_driver(model: nn.Module) -> None:
     every layer keeps a dense fp32 gradient."""
 
     layers = list(iter_galore_layers(model))
-    if layers and not any(getattr(layer, "_galore_driven", False) for _, layer in layers):
+    if layers and not any(layer in _DRIVEN for _, layer in layers):
         warnings.warn(
             f"the GaLore optimizer has stepped twice but hf_galore_plugin.after_step(model, optimizer) was never "
             f"called: its {len(layers)} GaLore layers never get a projection basis, so their weights do not "
@@ -259,7 +259,8 @@ def create_optimizer(
     """
     from .optim import AdamW
 
-    config = config or getattr(model, "galore_config", None)
+    state = state_of(model)
+    config = config or (state.config if state is not None else None)
     if config is None:
         raise ValueError("model is not prepared: call prepare_model(model, config) first, or pass config")
     if not galore_layers(model):
@@ -296,16 +297,22 @@ def create_optimizer(
     return optimizer
 
 
+# Optimizers whose GaLore groups' lr GaLoreCallback scales (its step hooks): optimizer -> the callback.
+LR_SCALED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = weakref.WeakKeyDictionary()
+# Optimizers already warned that nothing applies lr_scale to them.
+_LR_WARNED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
 def _warn_lr_scale_not_applied(config: GaLoreConfig, optimizer: torch.optim.Optimizer) -> None:
     """Once per optimizer: a non-default ``lr_scale`` / ``lr_recovery_fraction`` is applied by GaLoreCallback
     (a Trainer run) only; outside it the GaLore groups step at the rate they were given."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
-    if getattr(inner, "_galore_lr_hooks_installed", None) is not None or getattr(inner, "_galore_lr_warned", False):
+    if inner in LR_SCALED or inner in _LR_WARNED:
         return
     default = GaLoreConfig.__dataclass_fields__["lr_scale"].default
     if config.lr_scale == default and config.lr_recovery_fraction == 0.0:
         return
-    inner._galore_lr_warned = True
+    _LR_WARNED.add(inner)
     warnings.warn(
         f"lr_scale={config.lr_scale} and lr_recovery_fraction={config.lr_recovery_fraction} are applied by "
         "GaLoreCallback in a Trainer run; this optimizer steps its GaLore groups at the rate they were given. "
@@ -397,7 +404,7 @@ class _Driver:
         self.clock = StepClock(shared=True)
         for _, layer in layers:
             layer.use_clock(self.clock)
-            layer._galore_driven = True
+            _DRIVEN.add(layer)
         self.schedule()
 
     def schedule(self) -> None:
@@ -428,6 +435,27 @@ def _driver_of(model: nn.Module) -> _Driver:
     return driver
 
 
+# Layers an after_step driver has stepped (the check that after_step runs at all).
+_DRIVEN: "weakref.WeakSet[GaLoreLinear]" = weakref.WeakSet()
+# The factors of layers merge_and_unload folded, by id (a tensor is no key of a weak dict: its == is
+# elementwise), each with a weak reference that removes its entry when the factor is freed.
+_UNLOADED: dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+
+def _record_unloaded(factor: torch.Tensor) -> None:
+    key = id(factor)
+
+    def forget(_: object) -> None:
+        _UNLOADED.pop(key, None)
+
+    _UNLOADED[key] = weakref.ref(factor, forget)
+
+
+def _was_unloaded(param: torch.Tensor) -> bool:
+    ref = _UNLOADED.get(id(param))
+    return ref is not None and ref() is param
+
+
 _STEP_AFTER_UNLOAD = (
     "optimizer.step() after merge_and_unload(model): the GaLore layers were folded into plain nn.Linear layers "
     "and this optimizer still holds their old factors, which the model no longer uses (the step would change "
@@ -441,14 +469,11 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
 
     An optimizer built for the GaLore layers refuses to step afterwards (its factors are gone)."""
     for _, layer in iter_galore_layers(model):
-        layer.galore_factor._galore_unloaded = True
+        _record_unloaded(layer.galore_factor)
     unload(model)
-    config = getattr(model, "galore_config", None)
-    if config is not None and config.chunked_loss:
+    state = forget_state(model)
+    if state is not None and state.config.chunked_loss:
         disable_chunked_loss(model)
-    for attr in ("galore_config", "galore_report"):
-        if hasattr(model, attr):
-            delattr(model, attr)
     return model
 
 
@@ -513,7 +538,7 @@ def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     layers = galore_layers(model)
     if not layers:
         return {}
-    similarities = [float(l.galore_last_similarity) for _, l in layers]
+    similarities = [float(l.get_buffer("galore_last_similarity")) for _, l in layers]
     similarities = [s for s in similarities if not math.isnan(s)]
     gaps = [l.counter("galore_gap") for _, l in layers]
     stats: dict[str, float] = {

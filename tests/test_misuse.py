@@ -358,7 +358,7 @@ def test_default_targets_skip_tied_linear_layers():
     model = tiny_llama()
     model.model.layers[0].mlp.up_proj.weight = model.model.layers[0].mlp.gate_proj.weight  # tied pair
     hgp.prepare_model(model, hgp.GaLoreConfig(rank=4))
-    report = model.galore_report
+    report = hgp.state_of(model).report
     assert report.skipped["model.layers.0.mlp.up_proj"].startswith("weight tied to")
     assert model.model.layers[0].mlp.up_proj.weight is model.model.layers[0].mlp.gate_proj.weight
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import GaLoreConfig
 from ..inject import iter_galore_layers, iter_galore_layers_by_key
+from ..state import prepared_state, state_of
 from .files import GaLoreCheckpointError, write_atomically
 
 __all__ = [
@@ -114,7 +115,8 @@ def check_galore_counters(
     gap, growth = int(saved["update_proj_gap"]), int(saved["lazy_growth"])
     max_gap = saved["max_proj_gap"] if saved["max_proj_gap"] is not None else 8 * gap
     lazy = bool(saved["lazy_refresh"])
-    now = getattr(model, "galore_config", None)
+    prepared = state_of(model)
+    now = prepared.config if prepared is not None else None
     same = {name: now is not None and _normalized(getattr(now, name)) == _normalized(saved[name]) for name in saved}
     phases_fixed = all(
         same[name]
@@ -304,7 +306,7 @@ def read_checkpoint_state(
     payload["changed"] = {}
     if prepared is not None:
         payload["changed"] = compare_galore_config(
-            payload["config"], prepared.galore_config, where=f"checkpoint {folder}"
+            payload["config"], prepared_state(prepared).config, where=f"checkpoint {folder}"
         )
         check_galore_counters(
             prepared,

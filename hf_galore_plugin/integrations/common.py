@@ -1,6 +1,6 @@
 """Names the callback and the patches share (a leaf: it imports no other module of ``integrations``).
 
-- finding the prepared model and the stepping optimizer under wrappers;
+- finding the optimizer that steps under wrappers (the prepared model: :func:`hf_galore_plugin.state_of`);
 - the checkpoint-folder rule: the Trainer writes step N of a run into ``<run dir>/checkpoint-N``
   (``PREFIX_CHECKPOINT_DIR``), and a GaLore checkpoint is complete once its manifest exists.
 """
@@ -14,7 +14,6 @@ from ..checkpoint.manifest import MANIFEST_NAME
 
 __all__ = [
     "unwrap_optimizer",
-    "galore_model_of",
     "checkpoint_folder",
     "checkpoint_steps",
     "step_of",
@@ -36,17 +35,6 @@ def unwrap_optimizer(optimizer: Any) -> Any:
         optimizer = inner
 
 
-def galore_model_of(model: Any) -> Any:
-    """The module holding ``galore_config`` under DDP/compile/peft wrappers, or None."""
-    for candidate in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
-        if candidate is not None and getattr(candidate, "galore_config", None) is not None:
-            return candidate
-    for module in model.modules():
-        if getattr(module, "galore_config", None) is not None:
-            return module
-    return None
-
-
 def checkpoint_folder(run_dir: str, step: int) -> str:
     """The folder the Trainer writes step `step` of the run in `run_dir` into."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -58,7 +46,7 @@ def checkpoint_steps(output_dir: str) -> list[tuple[int, str]]:
     """(step, folder) of every ``checkpoint-N`` folder in `output_dir`, newest first."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    found = []
+    found: list[tuple[int, str]] = []
     if not os.path.isdir(output_dir):
         return found
     for entry in os.listdir(output_dir):

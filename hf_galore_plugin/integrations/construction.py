@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from ..config import GaLoreConfig
 from ..layers import GaLoreLinear
 from .chunked_loss import configure_trainer_loss
-from .common import galore_model_of
+from ..state import state_of
 from .names import check_layerwise, galore_config_for, prepare_model_for_trainer, served_name
 from .patching import mark
 
@@ -54,7 +54,7 @@ def wrap_init(original: Callable) -> Callable:
         if name is None:
             _check_foreign_optimizer(bound.arguments, training_args)
             original(*bound.args, **bound.kwargs)
-            if getattr(self, "model", None) is not None and galore_model_of(self.model) is not None:
+            if getattr(self, "model", None) is not None and state_of(self.model) is not None:
                 # a GaLore model with the user's own optimizer: without the callback no layer would train
                 _attach_callback(self, None)
             _bind_callbacks(self)
@@ -80,7 +80,7 @@ def _check_foreign_optimizer(arguments: dict[str, Any], training_args: Any) -> N
     model = arguments.get("model")
     optimizers = arguments.get("optimizers") or (None, None)
     has_optimizer = optimizers[0] is not None or arguments.get("optimizer_cls_and_kwargs") is not None
-    if model is None or has_optimizer or galore_model_of(model) is None:
+    if model is None or has_optimizer or state_of(model) is None:
         return
     optim = getattr(getattr(training_args, "optim", None), "value", getattr(training_args, "optim", None))
     raise ValueError(

@@ -24,6 +24,7 @@ from ..engines.deepspeed import import_deepspeed, zero3_gathered
 from ..engines.fsdp1 import fsdp1_units, group_by_unit, summon_unit
 from ..inject import galore_state_per_layer, iter_galore_layers_by_key, select_targets
 from ..layers import GaLoreLinear, assign_refresh_phases
+from ..state import record_state, state_of
 
 __all__ = [
     "prepare_zero3_model",
@@ -42,7 +43,7 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
     `ds_config` (the config the model was loaded under), so no rank ever holds more than one whole layer.
     """
     deepspeed = import_deepspeed("prepare_zero3_model")
-    if getattr(model, "galore_config", None) is not None:
+    if state_of(model) is not None:
         return prepare_model(model, config)  # already prepared: the core checks the config
     selected, report = select_targets(model, config)
     layers = []
@@ -57,8 +58,7 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         layers.append(layer)
     assign_refresh_phases(layers)
-    model.galore_config = config
-    model.galore_report = report
+    record_state(model, config, report)
     return model
 
 

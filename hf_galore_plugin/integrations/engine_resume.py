@@ -15,7 +15,8 @@ import functools
 from typing import Any, Callable
 
 from ..checkpoint.state import apply_mutable_changes, read_checkpoint_state
-from .common import galore_model_of, unwrap_optimizer
+from ..state import state_of
+from .common import unwrap_optimizer
 from .distributed import load_gathered_galore_state_dict
 from .names import trainer_optimizer_name
 from .patching import mark
@@ -65,8 +66,9 @@ def wrap_deepspeed_load_checkpoint(original: Callable) -> Callable:
     @functools.wraps(original)
     def deepspeed_load_checkpoint(deepspeed_engine, checkpoint_path, *args, **kwargs):
         result = original(deepspeed_engine, checkpoint_path, *args, **kwargs)
-        prepared = galore_model_of(deepspeed_engine.module)
-        if prepared is not None:
+        state = state_of(deepspeed_engine.module)
+        if state is not None:
+            prepared = state.model
             payload = read_checkpoint_state(checkpoint_path, prepared)
             load_gathered_galore_state_dict(prepared, payload["state"])  # every rank
             apply_mutable_changes(prepared, payload["changed"], where=f"checkpoint {checkpoint_path}")

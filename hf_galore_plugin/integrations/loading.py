@@ -22,7 +22,8 @@ from torch import nn
 from ..api import galore_layers, load_galore_state_dict
 from ..checkpoint.manifest import MANIFEST_NAME, remove_stale_temporaries, verify_manifest
 from ..checkpoint.state import apply_mutable_changes, check_merged_weights, read_checkpoint_state
-from .common import checkpoint_is_complete, checkpoint_steps, galore_model_of, latest_complete_checkpoint, step_of
+from ..state import state_of
+from .common import checkpoint_is_complete, checkpoint_steps, latest_complete_checkpoint, step_of
 from .engine_resume import load_fsdp_galore_state
 from .names import trainer_optimizer_name
 from .patching import mark
@@ -99,7 +100,7 @@ def _resolve_resume(output_dir: str, resume: Any) -> Any:
                 complete,
             )
         return complete
-    if isinstance(resume, (str, os.PathLike)) and os.path.isdir(resume) and not checkpoint_is_complete(resume):
+    if isinstance(resume, (str, os.PathLike)) and os.path.isdir(resume) and not checkpoint_is_complete(os.fspath(resume)):
         raise ValueError(
             f"checkpoint {resume} is incomplete: it has no {MANIFEST_NAME}, which a GaLore run writes last (the "
             f"run stopped while writing the checkpoint, or a GaLore run did not write it); "
@@ -167,9 +168,10 @@ def _load_with_galore_checkpoint(trainer: Any, original: Callable[[], Any], fold
     restores the GaLore state itself. Under FSDP the checkpoint is the engine's own (distributed
     checkpoint) and holds the layers' own tensors, not merged weights: nothing to inject;
     galore_state.pt is loaded shard by shard afterwards."""
-    prepared = galore_model_of(trainer.model)
-    if prepared is None or getattr(trainer, "is_deepspeed_enabled", False):
+    state = state_of(trainer.model)
+    if state is None or getattr(trainer, "is_deepspeed_enabled", False):
         return original()
+    prepared = state.model
     if getattr(trainer, "is_fsdp_enabled", False):
         return load_fsdp_galore_state(trainer, prepared, original, folder)
     return _load_with_galore_state(original, prepared, folder, trainer)
@@ -191,7 +193,7 @@ def wrap_load_best_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def _load_best_model(self):
         folder = self.state.best_model_checkpoint
-        if galore_model_of(self.model) is not None and folder is not None and checkpoint_is_complete(folder):
+        if state_of(self.model) is not None and folder is not None and checkpoint_is_complete(folder):
             verify_checkpoint(folder)
         return _load_with_galore_checkpoint(self, lambda: original(self), folder)
 
@@ -210,7 +212,7 @@ def wrap_train(original: Callable) -> Callable:
         except TypeError:
             return original(self, *args, **kwargs)
         resume = bound.arguments.get("resume_from_checkpoint")
-        if self.model is not None and galore_model_of(self.model) is not None:
+        if self.model is not None and state_of(self.model) is not None:
             if self.args.should_save:
                 _remove_stale_temporaries(self.args.output_dir)
             if resume not in (None, False):

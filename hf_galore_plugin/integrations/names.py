@@ -28,7 +28,7 @@ from ..config import GaLoreConfig
 from ..engines.deepspeed import is_zero3_partitioned
 from ..engines.fsdp1 import fsdp1_units
 from ..registry import list_optimizer_entry_points, load_optimizer_preset
-from .common import galore_model_of
+from ..state import state_of
 from .distributed import prepare_zero3_model
 from .optim_args import config_from_training_args
 from .patching import check_transformers_version, internals_missing, mark, patch_lock
@@ -83,7 +83,7 @@ def _optimizer_name_member(value: str):
     return OptimizerNames(value)
 
 
-def _add_enum_member(enum_cls: type, member_name: str, value: str):
+def _add_enum_member(enum_cls: Any, member_name: str, value: str) -> Any:  # Enum internals are untyped
     for attribute in ("_member_map_", "_value2member_map_", "_member_names_"):
         if not hasattr(enum_cls, attribute):
             raise internals_missing(f"{enum_cls.__name__}.{attribute} (enum internals)")
@@ -172,7 +172,7 @@ def _linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def prepare_model_for_trainer(model: nn.Module, config: GaLoreConfig, name: str) -> nn.Module:
     """``prepare_model`` with the optimizer name and the model's linear layers in its errors.
 
-    The core logs what was targeted and skipped, and why (``model.galore_report``). A model that
+    The core logs what was targeted and skipped, and why (``state_of(model).report``). A model that
     DeepSpeed ZeRO-3 already partitioned (``from_pretrained`` under a stage-3 config) is prepared
     one gathered layer at a time and partitioned again with the same DeepSpeed config.
     """
@@ -230,16 +230,18 @@ def _galore_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module], name
             name,
             NO_TAKEOVER_ENV,
         )
-    prepared = galore_model_of(model)
-    if prepared is None:
+    state = state_of(model)
+    if state is None:
         if model is not getattr(model, "module", model):
             raise ValueError(
                 f"optim={name!r}: the model is wrapped ({type(model).__name__}) but its layers were not "
                 "replaced; construct the Trainer with the optimizer name (or call "
                 "hf_galore_plugin.prepare_model) before wrapping"
             )
-        prepared = prepare_model_for_trainer(model, galore_config_for(args, name), name)
-    if prepared.galore_config.state_bits == 8 and fsdp1_units(model):
+        prepare_model_for_trainer(model, galore_config_for(args, name), name)
+        state = state_of(model)
+    assert state is not None  # prepare_model records it
+    if state.config.state_bits == 8 and fsdp1_units(model):
         # Found here, when the Trainer builds the optimizer after wrapping: before the first step.
         raise ValueError(
             f"optim={name!r} keeps 8-bit optimizer state, which FSDP1's checkpoints cannot hold "
@@ -252,8 +254,8 @@ def _galore_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module], name
         "betas": (args.adam_beta1, args.adam_beta2),
         "eps": args.adam_epsilon,
         "weight_decay": args.weight_decay,
-        "galore_model": prepared,
-        "galore_config": prepared.galore_config,
+        "galore_model": state.model,
+        "galore_config": state.config,
     }
     return GaLoreOptimizerFactory, kwargs
 

@@ -124,7 +124,8 @@ def is_patched(cls: type, attribute: str) -> bool:
 
 def mark(function: Callable) -> Callable:
     """Mark `function` as a replacement of this package (what :func:`apply_patches` requires of each)."""
-    function._hf_galore_plugin_patch = True
+    marked: Any = function  # a function object takes attributes; Callable does not say so
+    marked._hf_galore_plugin_patch = True
     return function
 
 

@@ -15,8 +15,9 @@ import inspect
 import json
 import logging
 import os
+import weakref
 import zipfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -26,7 +27,8 @@ from ..checkpoint.files import checkpoint_write_error, fsync_folder, fsync_path
 from ..checkpoint.manifest import MANIFEST_NAME, remove_stale_temporaries, write_manifest
 from ..checkpoint.state import GALORE_STATE_NAME, save_galore_checkpoint
 from ..inject import plain_linear, state_dict_name, swap_submodule
-from .common import checkpoint_folder, galore_model_of, latest_complete_checkpoint
+from ..state import GaLoreState, state_of
+from .common import checkpoint_folder, latest_complete_checkpoint
 from .distributed import gathered_galore_state_dict, merged_state_dict_from
 from .names import served_name
 from .patching import internals_missing, mark
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "wrap_save_checkpoint",
     "save_galore_state",
+    "saved_step",
     "merged_view",
     "merged_linears",
     "wrap_save_pretrained",
@@ -57,7 +60,7 @@ def wrap_save_checkpoint(original: Callable) -> Callable:
     """
     @functools.wraps(original)
     def _save_checkpoint(self, model, trial, *args, **kwargs):
-        prepared = galore_model_of(self.model)
+        prepared = state_of(self.model)
         if prepared is None:
             return original(self, model, trial, *args, **kwargs)
         run_dir = self._get_output_dir(trial=trial)
@@ -141,13 +144,22 @@ def _unfinished(path: str) -> bool:
     return False
 
 
-def save_galore_state(trainer: Any, prepared: nn.Module, folder: str) -> None:
+# Trainer -> the step of the last galore_state.pt written for it (GaLoreCallback.on_save skips that step).
+_SAVED_STEP: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def saved_step(trainer: Any) -> Optional[int]:
+    """The global step whose ``galore_state.pt`` :func:`save_galore_state` last wrote for `trainer`, or None."""
+    return _SAVED_STEP.get(trainer)
+
+
+def save_galore_state(trainer: Any, prepared: GaLoreState, folder: str) -> None:
     """Gather (every rank) and write ``galore_state.pt`` of `trainer`'s current step into `folder`
     (process zero), after fsyncing the checkpoint's other files, then the checkpoint's manifest."""
-    galore_state = gathered_galore_state_dict(prepared, root=trainer.model)  # collectives under ZeRO-3 / FSDP
+    galore_state = gathered_galore_state_dict(prepared.model, root=trainer.model)  # collectives: ZeRO-3, FSDP
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank's files of this checkpoint are written
-    trainer._galore_saved_step = trainer.state.global_step
+    _SAVED_STEP[trainer] = trainer.state.global_step
     if not trainer.args.should_save:
         return
     if not os.path.isdir(folder):
@@ -159,7 +171,7 @@ def save_galore_state(trainer: Any, prepared: nn.Module, folder: str) -> None:
     save_galore_checkpoint(
         os.path.join(folder, GALORE_STATE_NAME),
         galore_state,
-        prepared.galore_config,
+        prepared.config,
         global_step=trainer.state.global_step,
         optimizer_name=optim,
     )
@@ -230,7 +242,7 @@ def wrap_save_pretrained(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def save_pretrained(self, *args, **kwargs):
-        if getattr(self, "galore_config", None) is not None:
+        if state_of(self) is not None:
             bound = signature.bind(self, *args, **kwargs)
             given = bound.arguments.get("state_dict")
             if given is None:
@@ -249,7 +261,7 @@ def wrap_peft_save_pretrained(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def save_pretrained(self, *args, **kwargs):
-        if getattr(self, "galore_config", None) is None:
+        if state_of(self) is None:
             return original(self, *args, **kwargs)
         with merged_view(self):
             return original(self, *args, **kwargs)
