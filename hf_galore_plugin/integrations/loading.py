@@ -122,7 +122,7 @@ def _earlier_complete_hint(folder: Any) -> str:
 
 def verify_checkpoint(folder: Any) -> None:
     """Check every file of checkpoint `folder` against its manifest, before anything of it is loaded
-    (:func:`~hf_galore_plugin.integrations.manifest.verify_manifest`)."""
+    (:func:`~hf_galore_plugin.checkpoint.manifest.verify_manifest`)."""
     hint = _earlier_complete_hint(folder)
     timing = verify_manifest(str(folder), hint=hint[:1].upper() + hint[1:])
     logger.debug("GaLore: checkpoint %s verified: %.1f MB in %.2f s", folder, timing["bytes"] / 1e6, timing["seconds"])
