@@ -149,7 +149,7 @@ def _transformers_galore(model: nn.Module, setup: MethodSetup, lr: float) -> tor
     """transformers' own `optim="galore_adamw"` dispatch (Trainer.get_optimizer_cls_and_kwargs)."""
     from transformers import Trainer, TrainingArguments
 
-    import hf_galore_plugin.integrations.transformers as plugin
+    import hf_galore_plugin.integrations.names as plugin
 
     if plugin.served_optimizer_names().get("galore_adamw") == "takeover":
         raise RuntimeError(

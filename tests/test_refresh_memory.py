@@ -351,7 +351,7 @@ def test_zero_with_8bit_state_rejects_late_calibration_at_construction(state_bit
     # the staggered schedule's late calibrations would fail many steps in; the adapter refuses up front.
     from types import SimpleNamespace
 
-    from hf_galore_plugin.integrations.distributed import DeepSpeedGaLoreOptimizer
+    from hf_galore_plugin.engines.deepspeed import DeepSpeedGaLoreOptimizer
 
     model = _model(refresh_schedule="staggered", state_bits=state_bits)
     client = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
