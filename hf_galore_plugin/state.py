@@ -6,8 +6,9 @@ table of its own, keyed weakly by the model, and writes no attribute onto the us
 parameters, optimizers or Trainers: whether a model is prepared is asked of :func:`state_of`, and
 whether a module is a GaLore layer with ``isinstance(module, GaLoreLinear)``.
 
-The table is keyed by the module object, so the state does not travel with a copy of the model
-(``copy.deepcopy``, pickling): ``state_of`` of such a copy is None although it holds GaLore layers.
+The table is keyed by the module object. A copy of a prepared model (``copy.deepcopy``, pickling) is not
+in it, but it holds the GaLore layers and their config: ``state_of`` records a state for such a copy on
+first sight, with the layers' config and no report (what was skipped at preparation is not known then).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class GaLoreState:
     """What the package keeps about one prepared model.
 
     - ``config``: the :class:`~hf_galore_plugin.GaLoreConfig` it was prepared with;
-    - ``report``: what ``prepare_model`` targeted and skipped, and why (:class:`~hf_galore_plugin.inject.TargetReport`);
+    - ``report``: what ``prepare_model`` targeted and skipped, and why (:class:`~hf_galore_plugin.inject.TargetReport`;
+      None for a copy of a prepared model, see the module docstring);
     - ``model``: the prepared module itself (under a wrapper, the module ``prepare_model`` was given).
     """
 
@@ -74,13 +76,21 @@ def state_of(model: Any) -> Optional[GaLoreState]:
             state = _STATES.get(candidate)
             if state is not None:
                 return state
-    if not isinstance(model, nn.Module) or not _STATES:
+    if not isinstance(model, nn.Module):
         return None
+    layer_config = None
     for module in model.modules():
         state = _STATES.get(module)
         if state is not None:
             return state
-    return None
+        # Only a GaLore layer holds a GaLoreConfig as its `config` (a transformers model's is its own config).
+        config = getattr(module, "config", None)
+        if layer_config is None and isinstance(config, GaLoreConfig):
+            layer_config = config
+    if layer_config is None:
+        return None
+    # A copy of a prepared model: its layers say it is prepared and with what.
+    return record_state(model, layer_config, None)
 
 
 def prepared_state(model: Any, *, what: str = "this") -> GaLoreState:

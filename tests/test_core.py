@@ -285,6 +285,29 @@ def test_default_targets_skip_head_small_and_non_linear_layers():
     assert isinstance(model.embed, nn.Embedding) and isinstance(model.norm, nn.LayerNorm)
 
 
+def test_a_copy_of_a_prepared_model_is_prepared_and_trains_as_the_original():
+    # copy.deepcopy (EMA copies, model_init caches) keeps the GaLore layers; the package must take the copy
+    # as prepared with the same config. Oracle: the original, stepped the same way.
+    import copy
+
+    torch.manual_seed(0)
+    model = prepare_model(_TinyLM(), GaLoreConfig(rank=8, update_proj_gap=2))
+    twin = copy.deepcopy(model)
+    state = state_of(twin)
+    assert state is not None and state.model is twin and state.config == state_of(model).config
+    assert state.report is None and state_of(twin) is state
+    tokens = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    for net in (model, twin):
+        optimizer = create_optimizer(net, lr=1e-2)
+        for _ in range(3):
+            net(tokens).sum().backward()
+            optimizer.step()
+            after_step(net, optimizer)
+            optimizer.zero_grad()
+    for (name, a), (_, b) in zip(model.state_dict().items(), twin.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def test_state_of_finds_the_prepared_model_and_writes_no_attribute_on_user_objects():
     # The oracle is the objects' own attribute dicts before the package touched them: preparing, building
     # the optimizer, stepping and merging add no entry to the model's, the optimizer's or a parameter's.
