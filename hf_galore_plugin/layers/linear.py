@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 import warnings
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
@@ -700,3 +700,9 @@ class GaLoreLinear(nn.Module):
 
 
 # Keeps the sketch's test-matrix seeds apart from the counter-driven seeds of _next_generator.
+
+
+if TYPE_CHECKING:  # mypy checks that the layer is what the refresh functions it binds expect
+
+    def _refresh_target(layer: GaLoreLinear) -> _refresh_mod.RefreshTarget:
+        return layer
