@@ -149,7 +149,7 @@ def _transformers_galore(model: nn.Module, setup: MethodSetup, lr: float) -> tor
     """transformers' own `optim="galore_adamw"` dispatch (Trainer.get_optimizer_cls_and_kwargs)."""
     from transformers import Trainer, TrainingArguments
 
-    import hf_galore_plugin.integrations.transformers as plugin
+    import hf_galore_plugin.integrations.names as plugin
 
     if plugin.served_optimizer_names().get("galore_adamw") == "takeover":
         raise RuntimeError(
@@ -176,6 +176,12 @@ def setup_method(
     common = {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     if method == "adamw":
         optimizer = torch.optim.AdamW(param_groups(model, setup, lr), **common)
+    elif method == "adamw_fused":  # torch's fastest AdamW: one fused kernel per group (CUDA and CPU)
+        optimizer = torch.optim.AdamW(param_groups(model, setup, lr), fused=True, **common)
+    elif method == "torchao_adamw8bit":  # full-rank 8-bit state, torchao's blockwise layout
+        from torchao.optim import AdamW8bit
+
+        optimizer = AdamW8bit(param_groups(model, setup, lr), **common)
     elif method == "adamw_galore_rates":
         # examples/demo.py trains the same baseline; quality.py puts examples/ on sys.path
         from demo import galore_rate_groups

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hf_galore_plugin.integrations.manifest import _THREADS, verify_manifest, write_manifest  # noqa: E402
+from hf_galore_plugin.checkpoint.manifest import _THREADS, verify_manifest, write_manifest  # noqa: E402
 
 CHUNK = 16 << 20
 LLAMA2_7B_CHECKPOINT_BYTES = 13.5e9 + 13.5e9 + 2.1e9

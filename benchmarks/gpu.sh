@@ -3,9 +3,10 @@
 #   0. the fused 8-bit AdamW Triton kernel against its torch twin (tests/test_optim_triton.py, compiled),
 #   1. quantization kernel throughput (benchmarks/quant.py),
 #   2. fused 8-bit AdamW kernel throughput vs torch fused AdamW and bitsandbytes AdamW8bit,
-#   3. step time and peak torch.cuda.max_memory_allocated of a ~1.1B Llama (hidden 2048, intermediate
-#      5504, 22 layers, bf16) for AdamW, bitsandbytes AdamW8bit (if importable) and our three presets,
-#      each method in its own process so peaks do not mix,
+#   3. step time, tokens/s, device syncs per normal step (CUDA sync debug mode) and peak
+#      torch.cuda.max_memory_allocated of a ~1.1B Llama (hidden 2048, intermediate 5504, 22 layers, bf16)
+#      for torch's fused and foreach AdamW, bitsandbytes and torchao AdamW8bit, galore-torch (each if
+#      importable) and our three presets, each method in its own process so peaks do not mix,
 #   4. offloaded optimizer state (state_offload="cpu"): the CUDA path's bit-identity test (pinned host
 #      state, side-stream copies) and step time with and without offload, fp32 and 8-bit state.
 # Usage: bash benchmarks/gpu.sh [OUT_DIR]       (default outputs/gpu)
@@ -43,9 +44,15 @@ run() {  # run LABEL TIMEOUT_S COMMAND...: log everything; a failure is recorded
 run "Triton kernels vs torch twins (compiled, not interpreted)" 150 env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_optim_triton.py
 run "quantization kernels" 120 "$PYTHON" benchmarks/quant.py --out "$OUT/quant"
 run "fused 8-bit AdamW kernel" 90 "$PYTHON" benchmarks/gpu_step.py kernel --out "$OUT"
-for method in adamw bnb_adamw8bit galore_adamw galore_adamw_8bit qgalore_adamw_8bit; do
-  if [ "$method" = bnb_adamw8bit ] && ! "$PYTHON" -c 'import bitsandbytes' 2>/dev/null; then
-    echo "=== bnb_adamw8bit: bitsandbytes is not importable, skipped" | tee -a "$LOG"
+for method in adamw_fused adamw bnb_adamw8bit torchao_adamw8bit galore_torch galore_adamw galore_adamw_8bit qgalore_adamw_8bit; do
+  package=""
+  case "$method" in
+    bnb_adamw8bit) package=bitsandbytes ;;
+    torchao_adamw8bit) package=torchao ;;
+    galore_torch) package=galore_torch ;;
+  esac
+  if [ -n "$package" ] && ! "$PYTHON" -c "import $package" 2>/dev/null; then
+    echo "=== $method: $package is not importable, skipped" | tee -a "$LOG"
     continue
   fi
   run "1B step: $method" 75 "$PYTHON" benchmarks/gpu_step.py step --method "$method" --out "$OUT"

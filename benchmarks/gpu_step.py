@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from _models import SHAPES, build_llama, llama_config  # noqa: E402
 
-STEP_METHODS = ("adamw", "bnb_adamw8bit", *_common.OURS)
+STEP_METHODS = ("adamw", "adamw_fused", "bnb_adamw8bit", "torchao_adamw8bit", "galore_torch", *_common.OURS)
 
 
 def _sync(device: torch.device) -> None:
@@ -61,7 +61,7 @@ def _median_seconds(fn, device: torch.device, warmup: int, repeats: int) -> floa
 def kernel(args: argparse.Namespace) -> None:
     """One AdamW step over n values: ours (8-bit blockwise, Triton), torch fused AdamW (fp32 state),
     bitsandbytes AdamW8bit. Bytes moved = what the step must read and write at least."""
-    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step
+    from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, adamw8bit_step
 
     device = torch.device(args.device)
     n = args.numel
@@ -77,9 +77,8 @@ def kernel(args: argparse.Namespace) -> None:
 
         def ours() -> None:
             step[0] += 1
-            adamw8bit_step(param, grad, codes[0], scales[0], codes[1], scales[1], None, None, None, None,
-                           step=step[0], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                           block_size=block)  # fmt: skip
+            hyper = AdamW8bitHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=block)
+            adamw8bit_step(param, grad, (codes[0], scales[0], codes[1], scales[1]), step=step[0], hyper=hyper)
 
         size = param.element_size()
         moved = n * (2 * size + size + 2 * 2) + 4 * blocks * 2 * 2  # param r/w, grad r, 2 moments r/w, scales
@@ -130,22 +129,24 @@ def kernel(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------- 1B step
-def _step_driver_syncs(model, optimizer, after_step, ids) -> int:
-    """Device-to-host synchronizations inside the step driver (`after_step`) of one normal step, as
-    counted by CUDA's sync debug mode (one warning per synchronizing call)."""
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
+def _step_syncs(model, optimizer, after_step, ids) -> tuple[int, int]:
+    """Device-to-host synchronizations of one normal step, as counted by CUDA's sync debug mode (one warning
+    per synchronizing call): (in the whole step, in the step driver `after_step` alone)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            before_driver = len(caught)
             after_step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     optimizer.zero_grad(set_to_none=True)
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+    syncs = ["synchroniz" in str(w.message).lower() for w in caught]
+    return sum(syncs), sum(syncs[before_driver:])
 
 
 def step(args: argparse.Namespace) -> None:
@@ -179,7 +180,7 @@ def step(args: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats()
     seconds = _median_seconds(one_step, device, 0, 2 if args.tiny else 5)
     normal_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    driver_syncs = _step_driver_syncs(model, optimizer, after_step, ids) if device.type == "cuda" else None
+    step_syncs, driver_syncs = _step_syncs(model, optimizer, after_step, ids) if device.type == "cuda" else (None, None)
     result = {
         "method": args.method,
         "parameters": params,
@@ -190,7 +191,8 @@ def step(args: argparse.Namespace) -> None:
         "peak_allocated_bytes": max(run_peak, normal_peak) if device.type == "cuda" else None,
         "warmup_peak_allocated_bytes": run_peak,  # steps 0-2: the calibration/first-refresh step
         "normal_step_peak_allocated_bytes": normal_peak,  # the timed steps only (no refresh)
-        "step_driver_device_syncs": driver_syncs,  # in after_step of one normal step (CUDA sync debug mode)
+        "step_device_syncs": step_syncs,  # in one whole normal step (CUDA sync debug mode)
+        "step_driver_device_syncs": driver_syncs,  # of which in after_step
         "settings": {"shape": shape, "rank": rank, "dtype": "bf16", "gradient_checkpointing": False},
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
@@ -199,7 +201,8 @@ def step(args: argparse.Namespace) -> None:
 
 
 # Planner names of the step methods (hf_galore_plugin.plan).
-PLAN_METHODS = {"adamw": "adamw_torch", "bnb_adamw8bit": "adamw_8bit", **{m: m for m in _common.OURS}}
+PLAN_METHODS = {"adamw": "adamw_torch", "adamw_fused": "adamw_torch", "bnb_adamw8bit": "adamw_8bit",
+                "galore_torch": "galore_torch", **{m: m for m in _common.OURS}}  # fmt: skip
 
 
 def planned_peaks(shape: dict, rank: int, batch: int, seq: int) -> dict[str, tuple[int, int]]:
@@ -212,7 +215,7 @@ def planned_peaks(shape: dict, rank: int, batch: int, seq: int) -> dict[str, tup
     plan.load_config = lambda model, config_path: config
     try:
         result = plan.estimate(
-            model="1.1B Llama (gpu_step)", methods=list(PLAN_METHODS.values()), seq_len=seq, batch_size=batch,
+            model="1.1B Llama (gpu_step)", methods=list(dict.fromkeys(PLAN_METHODS.values())), seq_len=seq, batch_size=batch,
             gradient_checkpointing=False, dtype="bf16", rank=rank,
             optim_args={"target_modules": r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"},
         )  # fmt: skip
@@ -225,13 +228,15 @@ def planned_peaks(shape: dict, rank: int, batch: int, seq: int) -> dict[str, tup
 def table(args: argparse.Namespace) -> None:
     results = {m: json.loads((args.out / f"step_{m}.json").read_text()) for m in STEP_METHODS
                if (args.out / f"step_{m}.json").exists()}  # fmt: skip
-    reference = results.get("adamw")
+    # Ratios against the strongest baseline run: torch's fused AdamW when it ran.
+    base_name = "adamw_fused" if "adamw_fused" in results else "adamw"
+    reference = results.get(base_name)
     plans = {}
     if results and not args.no_plan:
         first = next(iter(results.values()))
         plans = planned_peaks(first["settings"]["shape"], first["settings"]["rank"], first["batch"], first["seq"])
-    lines = ["| method | params | batch x seq | s/step | tokens/s | vs AdamW | peak GiB, whole run | peak GiB, normal steps "
-             "| planner peak GiB (normal / refresh step) | step-driver syncs |",
+    lines = [f"| method | params | batch x seq | s/step | tokens/s | tokens/s vs {base_name} | peak GiB, whole run "
+             "| peak GiB, normal steps | planner peak GiB (normal / refresh step) | syncs per normal step (after_step) |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for method in STEP_METHODS:
         r = results.get(method)
@@ -246,10 +251,15 @@ def table(args: argparse.Namespace) -> None:
         peak += " | " + ("n/a" if normal is None else f"{normal / 2**30:.2f}")
         lines.append(f"| {method} | {r['parameters'] / 1e9:.2f}B | {r['batch']} x {r['seq']} | {r['seconds_per_step']:.3f} "
                      f"| {r['tokens_per_second']:.0f} | {versus} | {peak} | {planned} "
-                     f"| {'n/a' if r.get('step_driver_device_syncs') is None else r['step_driver_device_syncs']} |")  # fmt: skip
+                     f"| {_syncs(r)} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     (args.out / "step.md").write_text(text)
     print(text)
+
+
+def _syncs(result: dict) -> str:
+    whole, driver = result.get("step_device_syncs"), result.get("step_driver_device_syncs")
+    return "n/a" if whole is None else f"{whole} ({driver})"
 
 
 def main(argv=None) -> int:

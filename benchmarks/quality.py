@@ -182,7 +182,10 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     model, optimizer, after_step = _common.setup_method(job["method"], model, setup, lr=job["lr"])
     schedule = _common.warmup_cosine(size.steps)
     lambdas = [schedule] * len(optimizer.param_groups)
-    galore_config = getattr(model, "galore_config", None)
+    from hf_galore_plugin import state_of
+
+    galore_state = state_of(model)
+    galore_config = galore_state.config if galore_state is not None else None
     if job.get("apply_lr_scale") and galore_config is not None:
         # The Trainer integration's lr_scale (and its recovery) on the GaLore groups, as GaLoreCallback applies it.
         def scaled(step: int) -> float:

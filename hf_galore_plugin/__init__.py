@@ -26,6 +26,8 @@ _LAZY = {
     "galore_state_dict": ".api",
     "load_galore_state_dict": ".api",
     "galore_stats": ".api",
+    "state_of": ".state",
+    "GaLoreState": ".state",
     "enable_chunked_loss": ".loss",
     "disable_chunked_loss": ".loss",
     "linear_cross_entropy": ".loss",

@@ -1,7 +1,7 @@
 """The plain-PyTorch API: prepare a model, build its optimizer, step, merge.
 
 model = prepare_model(model, GaLoreConfig.preset("qgalore_adamw_8bit", rank=128))
-optimizer = create_optimizer(model, model.galore_config, lr=1e-3, weight_decay=0.01)
+optimizer = create_optimizer(model, lr=1e-3, weight_decay=0.01)
 for batch in data:
     loss = model(**batch).loss
     loss.backward()
@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .config import GaLoreConfig, kept_on_resume
+from .config import GaLoreConfig
 from .engines.capabilities import check_moment_handling
 from .engines.collectives import is_dtensor
 from .engines.contract import gathers_parameters
@@ -32,6 +32,7 @@ from .layers import GaLoreLinear
 from .layers.linear import scale_bases
 from .layers.schedule import StepClock
 from .loss import disable_chunked_loss, enable_chunked_loss
+from .state import forget_state, record_state, state_of
 
 __all__ = [
     "prepare_model",
@@ -45,12 +46,6 @@ __all__ = [
     "galore_state_dict",
     "load_galore_state_dict",
     "galore_stats",
-    "GaLoreCheckpointError",
-    "CheckpointDiskFullError",
-    "save_galore_checkpoint",
-    "read_galore_checkpoint",
-    "compare_galore_config",
-    "check_galore_counters",
 ]
 
 
@@ -64,9 +59,9 @@ def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
             f"config must be a hf_galore_plugin.GaLoreConfig, got {type(config).__name__}; "
             "use GaLoreConfig.preset('galore_adamw') or GaLoreConfig(rank=..., ...)"
         )
-    existing = getattr(model, "galore_config", None)
+    existing = state_of(model)
     if existing is not None:
-        if existing == config:
+        if existing.config == config:
             return model
         raise ValueError("model was already prepared with a different GaLoreConfig; merge_and_unload(model) first")
     if config.chunked_loss:
@@ -77,8 +72,7 @@ def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
     except BaseException:
         disable_chunked_loss(model)
         raise
-    model.galore_config = config
-    model.galore_report = report
+    record_state(model, config, report)
     return model
 
 
@@ -156,8 +150,8 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
             # ZeRO-3 steps one sub-group at a time and leaves the other groups' "params" empty meanwhile.
             if not group.get("galore") or not group["params"]:
                 continue
-            # merge_and_unload marks every factor of the model; the group's first one tells
-            if getattr(group["params"][0], "_galore_unloaded", False):
+            # merge_and_unload records every factor of the model; the group's first one tells
+            if _was_unloaded(group["params"][0]):
                 raise RuntimeError(_STEP_AFTER_UNLOAD)
             if not wd:
                 continue
@@ -198,7 +192,7 @@ def _check_step_driver(model: nn.Module) -> None:
     every layer keeps a dense fp32 gradient."""
 
     layers = list(iter_galore_layers(model))
-    if layers and not any(getattr(layer, "_galore_driven", False) for _, layer in layers):
+    if layers and not any(layer in _DRIVEN for _, layer in layers):
         warnings.warn(
             f"the GaLore optimizer has stepped twice but hf_galore_plugin.after_step(model, optimizer) was never "
             f"called: its {len(layers)} GaLore layers never get a projection basis, so their weights do not "
@@ -265,7 +259,8 @@ def create_optimizer(
     """
     from .optim import AdamW
 
-    config = config or getattr(model, "galore_config", None)
+    state = state_of(model)
+    config = config or (state.config if state is not None else None)
     if config is None:
         raise ValueError("model is not prepared: call prepare_model(model, config) first, or pass config")
     if not galore_layers(model):
@@ -302,16 +297,22 @@ def create_optimizer(
     return optimizer
 
 
+# Optimizers whose GaLore groups' lr GaLoreCallback scales (its step hooks): optimizer -> the callback.
+LR_SCALED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = weakref.WeakKeyDictionary()
+# Optimizers already warned that nothing applies lr_scale to them.
+_LR_WARNED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
 def _warn_lr_scale_not_applied(config: GaLoreConfig, optimizer: torch.optim.Optimizer) -> None:
     """Once per optimizer: a non-default ``lr_scale`` / ``lr_recovery_fraction`` is applied by GaLoreCallback
     (a Trainer run) only; outside it the GaLore groups step at the rate they were given."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
-    if getattr(inner, "_galore_lr_hooks_installed", None) is not None or getattr(inner, "_galore_lr_warned", False):
+    if inner in LR_SCALED or inner in _LR_WARNED:
         return
     default = GaLoreConfig.__dataclass_fields__["lr_scale"].default
     if config.lr_scale == default and config.lr_recovery_fraction == 0.0:
         return
-    inner._galore_lr_warned = True
+    _LR_WARNED.add(inner)
     warnings.warn(
         f"lr_scale={config.lr_scale} and lr_recovery_fraction={config.lr_recovery_fraction} are applied by "
         "GaLoreCallback in a Trainer run; this optimizer steps its GaLore groups at the rate they were given. "
@@ -403,7 +404,7 @@ class _Driver:
         self.clock = StepClock(shared=True)
         for _, layer in layers:
             layer.use_clock(self.clock)
-            layer._galore_driven = True
+            _DRIVEN.add(layer)
         self.schedule()
 
     def schedule(self) -> None:
@@ -434,6 +435,27 @@ def _driver_of(model: nn.Module) -> _Driver:
     return driver
 
 
+# Layers an after_step driver has stepped (the check that after_step runs at all).
+_DRIVEN: "weakref.WeakSet[GaLoreLinear]" = weakref.WeakSet()
+# The factors of layers merge_and_unload folded, by id (a tensor is no key of a weak dict: its == is
+# elementwise), each with a weak reference that removes its entry when the factor is freed.
+_UNLOADED: dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+
+def _record_unloaded(factor: torch.Tensor) -> None:
+    key = id(factor)
+
+    def forget(_: object) -> None:
+        _UNLOADED.pop(key, None)
+
+    _UNLOADED[key] = weakref.ref(factor, forget)
+
+
+def _was_unloaded(param: torch.Tensor) -> bool:
+    ref = _UNLOADED.get(id(param))
+    return ref is not None and ref() is param
+
+
 _STEP_AFTER_UNLOAD = (
     "optimizer.step() after merge_and_unload(model): the GaLore layers were folded into plain nn.Linear layers "
     "and this optimizer still holds their old factors, which the model no longer uses (the step would change "
@@ -447,14 +469,11 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
 
     An optimizer built for the GaLore layers refuses to step afterwards (its factors are gone)."""
     for _, layer in iter_galore_layers(model):
-        layer.galore_factor._galore_unloaded = True
+        _record_unloaded(layer.galore_factor)
     unload(model)
-    config = getattr(model, "galore_config", None)
-    if config is not None and config.chunked_loss:
+    state = forget_state(model)
+    if state is not None and state.config.chunked_loss:
         disable_chunked_loss(model)
-    for attr in ("galore_config", "galore_report"):
-        if hasattr(model, attr):
-            delattr(model, attr)
     return model
 
 
@@ -519,7 +538,7 @@ def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     layers = galore_layers(model)
     if not layers:
         return {}
-    similarities = [float(l.galore_last_similarity) for _, l in layers]
+    similarities = [float(l.get_buffer("galore_last_similarity")) for _, l in layers]
     similarities = [s for s in similarities if not math.isnan(s)]
     gaps = [l.counter("galore_gap") for _, l in layers]
     stats: dict[str, float] = {
@@ -547,366 +566,3 @@ def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     return stats
 
 
-# ---------------------------------------------------------------------- checkpoint files
-# galore_state.pt is a dict of plain values and tensors (loads with weights_only=True):
-#   {"format": GALORE_STATE_FORMAT, "global_step": int | None, "optimizer": str | None,
-#    "config": GaLoreConfig.to_dict(), "state": galore_state_dict(model)}
-# The step and the config bind the file to its checkpoint; the merged weights of the checkpoint's own
-# model file are compared with the ones this state gives when the Trainer loads both.
-GALORE_STATE_FORMAT = "hf_galore_plugin.galore_state.v2"
-
-# Fields the saved tensors depend on: the factor's shape (rank, proj_type), the meaning of the factor
-# (scale), the layout of W0, of the bases and of the optimizer state, the set of layers, the layers'
-# random streams (seed: galore_seed, which stochastic rounding and random bases continue from). A resume
-# with another value would change the model or fail deep inside load_state_dict: refused.
-FIXED_FIELDS = (
-    "rank",
-    "scale",
-    "proj_type",
-    "weight_storage",
-    "weight_group_size",
-    "basis_storage",
-    "basis_group_size",
-    "state_bits",
-    "state_block_size",
-    "error_feedback",
-    "target_modules",
-    "exclude_modules",
-    "seed",
-)
-# Fields that only steer what happens from now on (refresh schedule, learning-rate scale, how the next
-# basis is computed): a resume takes the new value and logs it.
-MUTABLE_FIELDS = tuple(name for name in GaLoreConfig.field_names() if name not in FIXED_FIELDS)
-
-
-class GaLoreCheckpointError(ValueError):
-    """A ``galore_state.pt`` that cannot be used for this resume: unreadable, from another step or model,
-    or saved with settings this run cannot take over exactly."""
-
-
-def _normalized(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
-def compare_galore_config(saved: dict[str, Any], current: GaLoreConfig, *, where: str) -> dict[str, tuple[Any, Any]]:
-    """Check a saved config against the current one, field by field.
-
-    A difference in a :data:`FIXED_FIELDS` field raises :class:`GaLoreCheckpointError` naming the field,
-    both values and `where`; returns {field: (saved, current)} for the :data:`MUTABLE_FIELDS` that changed.
-    """
-    now = current.to_dict()
-    fixed = [
-        (name, saved[name], now[name])
-        for name in FIXED_FIELDS
-        if name in saved and _normalized(saved[name]) != _normalized(now[name])
-    ]
-    if fixed:
-        listed = "; ".join(f"{name}: saved {old!r}, now {new!r}" for name, old, new in fixed)
-        raise GaLoreCheckpointError(
-            f"{where} was saved with other GaLore settings that its tensors depend on ({listed}). Resume with "
-            "the saved values (optim_args / GaLoreConfig), or start a new run from the merged model "
-            "(from_pretrained of the checkpoint folder) to use the new ones."
-        )
-    return {
-        name: (saved[name], now[name])
-        for name in MUTABLE_FIELDS
-        if name in saved and _normalized(saved[name]) != _normalized(now[name])
-    }
-
-
-def check_galore_counters(
-    model: nn.Module, state: dict[str, torch.Tensor], saved: dict[str, Any], *, global_step: Optional[int], where: str
-) -> None:
-    """Check the schedule counters of a saved GaLore `state` (saved with config dict `saved`) against each
-    other, the step it belongs to (`global_step`; the optimizer steps a Trainer skipped on fp16 overflow
-    are not counted, so a layer may be behind it, never ahead) and the rules of the schedule; the layers of
-    `model`, prepared with the current config, give the values fixed by the settings (seed, phase). Raises
-    :class:`GaLoreCheckpointError` naming the layer, the counter and the bound it breaks."""
-    from .layers.linear import COUNTER_NAMES
-
-    gap, growth = int(saved["update_proj_gap"]), int(saved["lazy_growth"])
-    max_gap = saved["max_proj_gap"] if saved["max_proj_gap"] is not None else 8 * gap
-    lazy = bool(saved["lazy_refresh"])
-    now = getattr(model, "galore_config", None)
-    same = {name: now is not None and _normalized(getattr(now, name)) == _normalized(saved[name]) for name in saved}
-    phases_fixed = all(
-        same[name]
-        for name in ("refresh_schedule", "refresh_budget_mb", "update_proj_gap", "basis_method", "oversampling")
-    )
-    problems: list[str] = []
-    steps: dict[str, int] = {}
-    for name, layer in iter_galore_layers_by_key(model):
-        keys = {counter: f"{name}.{counter}" for counter in COUNTER_NAMES}
-        if not all(key in state and state[key].numel() == 1 for key in keys.values()):
-            continue  # the strict load names missing or misshapen entries
-        c = {counter: int(state[key].reshape(())) for counter, key in keys.items()}
-        step = steps[name] = c["galore_step"]
-
-        def bad(counter: str, rule: str, layer_name: str = name, values: dict[str, int] = c) -> None:
-            problems.append(f"layer {layer_name!r} {counter}={values[counter]} ({rule})")
-
-        if step < 0 or (global_step is not None and step > global_step):
-            bad("galore_step", f"the checkpoint is step {global_step}; a layer counts at most that many steps")
-        if not -1 <= c["galore_last_refresh"] < max(step, 0):
-            bad("galore_last_refresh", f"must be -1 or a step before galore_step={step}")
-        if not 0 <= c["galore_num_refreshes"] <= max(step, 0) or (
-            c["galore_num_refreshes"] > 0 and c["galore_last_refresh"] < 0
-        ):
-            bad("galore_num_refreshes", f"at most one refresh per step up to {step}, and a step of the last one")
-        grown, ok_gap = gap, c["galore_gap"] == gap
-        while lazy and not ok_gap and grown < max_gap:
-            grown = min(grown * growth, max_gap)
-            ok_gap = c["galore_gap"] == grown
-        if not ok_gap:
-            bad("galore_gap", f"update_proj_gap={gap}" + (f" grown by {growth}x up to {max_gap}" if lazy else ""))
-        if not 0 <= c["galore_agree_count"] < (int(saved["lazy_window"]) if lazy else 1):
-            bad("galore_agree_count", f"below lazy_window={saved['lazy_window']}" if lazy else "0 without lazy_refresh")
-        if c["galore_rng_counter"] < 0:
-            bad("galore_rng_counter", "a count of random draws")
-        if same["seed"] and c["galore_seed"] != layer.counter("galore_seed"):
-            bad("galore_seed", f"seed={saved['seed']} gives {layer.counter('galore_seed')} for this layer")
-        if saved["refresh_schedule"] == "aligned":
-            if c["galore_phase"] != 0:
-                bad("galore_phase", "0 under refresh_schedule='aligned'")
-        elif phases_fixed and c["galore_phase"] != layer.counter("galore_phase"):
-            bad("galore_phase", f"these settings give this layer phase {layer.counter('galore_phase')}")
-        elif not 0 <= c["galore_phase"] < gap:
-            bad("galore_phase", f"a phase within update_proj_gap={gap}")
-    if len(set(steps.values())) > 1:
-        listed = ", ".join(f"{name}: {step}" for name, step in list(steps.items())[:4])
-        problems.insert(0, f"galore_step differs between layers ({listed}, ...), which all count every step")
-    if problems:
-        raise GaLoreCheckpointError(
-            f"{where}: the GaLore state's counters break the schedule they were saved with: "
-            + "; ".join(problems[:4])
-            + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
-            + ". The file was damaged or edited after it was written. Resume from an earlier complete "
-            "checkpoint of this run."
-        )
-
-
-# Changes that restart a lazily grown gap from the (new) base gap: its growth was measured with the old rule.
-_GAP_FIELDS = ("update_proj_gap", "max_proj_gap", "lazy_refresh", "lazy_growth")
-# Changes that move the staggered phases: the schedule itself, the budget, and what a record weighs.
-_PHASE_FIELDS = ("refresh_schedule", "refresh_budget_mb", "update_proj_gap", "basis_method", "oversampling")
-
-
-def apply_mutable_changes(model: nn.Module, changed: dict[str, tuple[Any, Any]], *, where: str) -> None:
-    """Make changed schedule settings take effect on loaded layers (their counters hold the saved ones):
-    a changed gap rule restarts every layer's gap from ``update_proj_gap``; a changed schedule, budget,
-    gap or record size assigns the phases anew (:func:`~hf_galore_plugin.layers.assign_refresh_phases`,
-    as ``prepare_model`` does), so from the resumed step each layer refreshes at the steps its new phase
-    gives (all phases 0 under ``'aligned'``). Every other field is read from the layers' config as it is
-    used. Logs each change.
-
-    Settings that only a changed default moved (:func:`~hf_galore_plugin.config.kept_on_resume`) keep the
-    checkpoint's value instead, so a run started before the default changed continues as it started.
-    """
-    import logging
-
-    from .layers import assign_refresh_phases
-
-    log = logging.getLogger(__name__)
-    layers = [layer for _, layer in iter_galore_layers(model)]
-    if not changed or not layers:
-        return
-    config = layers[0].config  # one object, shared by the layers, the model and GaLoreCallback
-    kept = kept_on_resume(changed, config)
-    if kept:
-        for name, value in kept.items():
-            setattr(config, name, value)
-        log.warning(
-            "%s was written with %s, the defaults before the bounded refresh: this run keeps them and continues "
-            "as it started (runs started now use %s)",
-            where,
-            ", ".join(f"{name}={value!r}" for name, value in kept.items()),
-            ", ".join(f"{name}={changed[name][1]!r}" for name in kept),
-        )
-        changed = {name: pair for name, pair in changed.items() if name not in kept}
-    if any(name in changed for name in _GAP_FIELDS):
-        for layer in layers:
-            layer._set_counter("galore_gap", config.update_proj_gap)
-            layer._set_counter("galore_agree_count", 0)
-    phases = ""
-    if kept or any(name in changed for name in _PHASE_FIELDS):
-        # Kept settings: the loaded phases are the saved ones, which packing under the kept settings gives
-        # again; assigning them also sets the layers' host copies, which prepare_model set for the new ones.
-        assigned = assign_refresh_phases(layers)
-        phases = f" (refresh phases now {sorted(set(assigned))} of update_proj_gap={config.update_proj_gap})"
-    for layer in layers:
-        layer._update_refresh_due()
-    if changed:
-        log.warning(
-            "%s: GaLore settings changed since the checkpoint and take effect from now on: %s%s",
-            where,
-            "; ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()),
-            phases,
-        )
-
-
-def save_galore_checkpoint(
-    path: str,
-    state: dict[str, torch.Tensor],
-    config: GaLoreConfig,
-    *,
-    global_step: Optional[int] = None,
-    optimizer_name: Optional[str] = None,
-) -> None:
-    """Write ``galore_state.pt`` atomically: a temporary file in the same folder, fsync, rename, fsync
-    of the folder. A reader sees the previous file or the complete new one, never a partial one. A full
-    disk raises :class:`CheckpointDiskFullError` naming the file; the temporary is removed."""
-
-    payload = {
-        "format": GALORE_STATE_FORMAT,
-        "global_step": None if global_step is None else int(global_step),
-        "optimizer": optimizer_name,
-        "config": config.to_dict(),
-        "state": state,
-    }
-    write_atomically(path, lambda handle: torch.save(payload, handle))
-
-
-def write_atomically(path: str, write: Callable[[Any], None]) -> None:
-    """`write(handle)` into a temporary file beside `path`, fsync, rename, fsync of the folder: a reader
-    sees the previous file or the complete new one. A full disk raises :class:`CheckpointDiskFullError`
-    naming the file; the temporary is removed."""
-    import os
-
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        error = checkpoint_write_error(exc, path)  # before the temporary is removed: it fills the disk
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if error is not None:
-            raise error from None
-        raise
-    fsync_folder(os.path.dirname(os.path.abspath(path)))
-
-
-class CheckpointDiskFullError(OSError):
-    """A checkpoint file could not be written because its file system is full (errno ENOSPC); ``filename``
-    is the file, ``writer_said`` the first line of the writer's own error."""
-
-    writer_said: str = ""
-
-
-# Below this many free bytes a failed write counts as a full disk even when the writer does not say so:
-# torch's zip writer reports only "[enforce fail at inline_container.cc] unexpected pos ...".
-DISK_FULL_BYTES = 1 << 20
-
-
-def _disk_full(exc: BaseException, folder: str) -> bool:
-    import errno
-    import os
-
-    seen: Optional[BaseException] = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(seen) or "StorageFull" in str(seen):  # safetensors' Rust writer
-            return True
-        seen = seen.__cause__ or seen.__context__
-    try:
-        stat = os.statvfs(folder)
-    except (OSError, AttributeError):  # no statvfs on Windows
-        return False
-    return stat.f_bavail * stat.f_frsize < DISK_FULL_BYTES
-
-
-def checkpoint_write_error(
-    exc: BaseException, path: str, *, previous: Optional[str] = None
-) -> Optional[CheckpointDiskFullError]:
-    """The error to raise for `exc`, a failure while writing checkpoint file `path`: a
-    :class:`CheckpointDiskFullError` naming the file when the file system is full (call it before removing
-    partial files), None otherwise (re-raise `exc`). `previous`: the complete checkpoint left intact."""
-    import errno
-    import os
-
-    if isinstance(exc, CheckpointDiskFullError):  # raised by a writer below: name its file, add `previous`
-        path, said = str(exc.filename), exc.writer_said
-    else:
-        if not isinstance(exc, Exception) or not _disk_full(exc, os.path.dirname(os.path.abspath(path))):
-            return None
-        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    folder = os.path.dirname(os.path.abspath(path))
-    kept = f"the previous complete checkpoint {previous} is intact" if previous else "no older checkpoint was touched"
-    error = CheckpointDiskFullError(
-        errno.ENOSPC,
-        f"No space left on device: the checkpoint file {path} could not be written (the writer said: "
-        f"{said[:200]}). The checkpoint in {folder} is incomplete and is skipped on resume; {kept}. Free space "
-        "(delete the incomplete folder, or older checkpoints), then resume with resume_from_checkpoint=True",
-        path,
-    )
-    error.writer_said = said
-    return error
-
-
-def fsync_path(path: str) -> None:
-    """Flush a file, or a folder's entries (renames, new files), to disk; a no-op where the path cannot
-    be opened or the file system does not sync it."""
-    import os
-
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_folder(folder: str) -> None:
-    """Make renames and new files in `folder` durable (no-op where folders cannot be opened)."""
-    fsync_path(folder)
-
-
-def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> dict[str, Any]:
-    """Read ``galore_state.pt``; returns the dict :func:`save_galore_checkpoint` wrote.
-
-    An unreadable file, or one in a format this version cannot verify (the plain dict of tensors of
-    unreleased development versions, without step and settings), raises :class:`GaLoreCheckpointError`
-    naming the file and its checkpoint.
-    """
-    import os
-
-    where = f"checkpoint {checkpoint}" if checkpoint else f"file {path}"
-    try:
-        size = os.path.getsize(path)
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every reader failure means the same to the user
-        # The loader's own text may recommend weights_only=False (running arbitrary pickled code):
-        # never pass that on. Its first line without that advice is enough to tell the cause.
-        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "weights_only" in cause:
-            cause = "it does not hold plain tensors and values (GaLore's own format)"
-        raise GaLoreCheckpointError(
-            f"GaLore state {path} ({size if 'size' in locals() else '?'} bytes) of {where} cannot be read: "
-            f"{type(exc).__name__}: {cause[:300]}. The file is truncated or damaged (a crash while it was "
-            "written by a version without atomic saves, a copy that did not finish, a full disk). Resume "
-            "from an earlier complete checkpoint of this run, or restore this file."
-        ) from None
-    if isinstance(loaded, dict) and loaded.get("format") == GALORE_STATE_FORMAT:
-        return loaded
-    if isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
-        # Nothing in it says which step, settings or optimizer it belongs to, so no resume check could run.
-        raise GaLoreCheckpointError(
-            f"GaLore state {path} of {where} is in the format of unreleased development versions of "
-            f"hf_galore_plugin (a plain dict of tensors, without its step and settings), which this version "
-            f"cannot verify against its checkpoint. Resume from a checkpoint written by this version, or start "
-            "a new run from the checkpoint's merged weights (from_pretrained of the checkpoint folder)."
-        )
-    raise GaLoreCheckpointError(
-        f"GaLore state {path} of {where} is not a galore_state.pt written by hf_galore_plugin "
-        f"(found a {type(loaded).__name__} with keys {sorted(loaded)[:5] if isinstance(loaded, dict) else '-'})."
-    )

@@ -234,13 +234,17 @@ def iter_galore_layers(model: nn.Module):
 _WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
+def state_dict_name(module_name: str) -> str:
+    """A module's name as the keys of ``model.state_dict()`` spell it: without engine wrappers' names."""
+    for wrapper in _WRAPPER_NAMES:
+        module_name = module_name.replace(wrapper, "")
+    return module_name
+
+
 def iter_galore_layers_by_key(model: nn.Module):
-    """(state-dict name, layer) for every GaLore layer: its name without engine wrappers' names, as
-    the keys of ``model.state_dict()`` spell it."""
+    """(state-dict name, layer) for every GaLore layer (:func:`state_dict_name`)."""
     for name, layer in iter_galore_layers(model):
-        for wrapper in _WRAPPER_NAMES:
-            name = name.replace(wrapper, "")
-        yield name, layer
+        yield state_dict_name(name), layer
 
 
 def galore_state_per_layer(

@@ -33,7 +33,8 @@ from transformers import modeling_utils, trainer_callback  # noqa: E402
 from transformers import trainer as trainer_module  # noqa: E402
 
 import hf_galore_plugin as hgp  # noqa: E402,F401  registers the optimizer names
-from hf_galore_plugin.integrations import manifest  # noqa: E402
+from hf_galore_plugin.checkpoint import manifest  # noqa: E402
+from hf_galore_plugin.integrations import saving  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -169,7 +170,7 @@ def install_kill(what: str, step: int) -> None:
                 _die()
             return original_manifest(folder, *args, **kwargs)
 
-        manifest.write_manifest = write_manifest
+        saving.write_manifest = write_manifest  # where the integration calls it
     elif what == "galore_manifest.json":
         original_write = manifest.write_atomically
 

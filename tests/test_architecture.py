@@ -20,19 +20,23 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 ALLOWED: dict[str, set[str]] = {
     "utils": set(),
     "config": set(),
+    "state": {"config"},
     "codes": set(),
     "projection": set(),
     "loss": set(),
     "kernels": {"codes"},
     "quant": {"utils", "codes", "kernels"},
-    "engines": {"utils", "config"},
-    "layers": {"config", "projection", "quant", "engines"},
+    "engines": {"utils", "config", "state"},
+    "layers": {"utils", "config", "projection", "quant", "engines"},
     "inject": {"config", "layers"},
     "optim": {"utils", "codes", "kernels", "quant", "engines"},
     "presets": {"config"},
     "registry": {"config"},
-    "api": {"utils", "config", "projection", "loss", "quant", "engines", "layers", "inject", "optim"},
+    "api": {"utils", "config", "state", "projection", "loss", "quant", "engines", "layers", "inject", "optim"},
+    "checkpoint": {"config", "state", "layers", "inject"},
     "integrations": {
+        "checkpoint",
+        "state",
         "utils",
         "config",
         "codes",
@@ -65,6 +69,8 @@ ALLOWED: dict[str, set[str]] = {
         "presets",
         "registry",
         "api",
+        "checkpoint",
+        "state",
         "integrations",
     },
     "__main__": {"integrations", "config", "registry", "presets"},
@@ -73,12 +79,30 @@ ALLOWED: dict[str, set[str]] = {
 # their name inside `layers`) and units (docs/architecture.md, the `layers` row). The package `__init__`
 # only re-exports.
 LAYERS_MODULES: dict[str, set[str]] = {
-    "storage": {"quant"},
+    "storage": {"quant", "utils"},
     "function": set(),
     "schedule": set(),
-    "refresh": {"storage", "engines", "projection"},
+    "refresh": {"storage", "engines", "projection", "config"},
     "linear": {"storage", "function", "schedule", "refresh", "config", "engines", "projection"},
     "": {"storage", "function", "schedule", "refresh", "linear"},
+}
+# The modules of the `integrations` package, each with the modules of the package it may import (by their
+# name inside `integrations`; "" is its __init__, which imports none). docs/architecture.md, "The
+# transformers integration": bottom to top; `common` is the leaf the callback and the patches share.
+INTEGRATIONS_MODULES: dict[str, set[str]] = {
+    "": set(),
+    "optim_args": set(),
+    "chunked_loss": set(),
+    "common": set(),
+    "distributed": set(),
+    "patching": {""},
+    "names": {"common", "distributed", "optim_args", "patching"},
+    "saving": {"common", "distributed", "names", "patching"},
+    "engine_resume": {"common", "distributed", "names", "patching"},
+    "loading": {"common", "engine_resume", "names", "patching", "saving"},
+    "callback": {"common", "patching", "saving"},
+    "construction": {"callback", "chunked_loss", "common", "names", "patching"},
+    "transformers": {"construction", "engine_resume", "loading", "names", "patching", "saving"},
 }
 CORE = ("config", "quant", "projection", "loss", "layers", "inject", "optim", "kernels", "engines", "api")
 
@@ -180,6 +204,37 @@ def test_each_module_of_layers_imports_only_its_row():
         if target not in LAYERS_MODULES[module]:
             bad.append(f"{src} -> {dst}")
     assert not bad, "imports against the layers row of docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_each_module_of_integrations_imports_only_its_row():
+    assert {m.partition("integrations")[2].lstrip(".") for m in MODULES if _unit(m) == "integrations"} == set(
+        INTEGRATIONS_MODULES
+    )
+    bad = []
+    for src, dst, _ in EDGES:
+        if src.split(".")[0] != "integrations" or dst.split(".")[0] != "integrations":
+            continue
+        module = src.partition("integrations")[2].lstrip(".")
+        target = dst.partition("integrations")[2].lstrip(".")
+        if target != module and target not in INTEGRATIONS_MODULES[module]:
+            bad.append(f"{src} -> {dst}")
+    assert not bad, "imports against the integrations table of docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_the_integrations_table_has_no_cycle():
+    # A row may list only modules whose own rows do not reach back to it, so the allowed imports (and with
+    # them the real ones, checked above) form no cycle: the callback and the patches share `common`.
+    def reach(module: str, seen: frozenset[str]) -> list[str]:
+        found = []
+        for target in sorted(INTEGRATIONS_MODULES[module]):
+            if target in seen:
+                found.append(" -> ".join([*seen, target]))
+            else:
+                found += reach(target, seen | {target})
+        return found
+
+    cycles = [cycle for module in INTEGRATIONS_MODULES for cycle in reach(module, frozenset({module}))]
+    assert not cycles, cycles
 
 
 def test_no_import_cycles_between_units():

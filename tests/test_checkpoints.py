@@ -26,9 +26,10 @@ from conftest import use_torch_twins  # noqa: E402
 from conftest import token_data as shared_token_data  # noqa: E402
 from conftest import training_args  # noqa: E402
 
-from hf_galore_plugin.api import GaLoreCheckpointError  # noqa: E402
-from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME  # noqa: E402
-from hf_galore_plugin.integrations.manifest import MANIFEST_NAME, write_manifest  # noqa: E402
+from hf_galore_plugin.checkpoint.files import GaLoreCheckpointError  # noqa: E402
+from hf_galore_plugin.checkpoint.manifest import MANIFEST_NAME, write_manifest  # noqa: E402
+from hf_galore_plugin.checkpoint.state import GALORE_STATE_FORMAT, GALORE_STATE_NAME  # noqa: E402
+from hf_galore_plugin.integrations import saving  # noqa: E402
 
 ARGS = "rank=4,update_proj_gap=2"
 
@@ -85,14 +86,14 @@ def reseal(folder) -> None:
 # ---------------------------------------------------------------------- file format
 def test_galore_state_carries_step_settings_and_optimizer(run_dir):
     saved = torch.load(run_dir / "checkpoint-4" / GALORE_STATE_NAME, weights_only=True)
-    assert saved["format"] == hgp.api.GALORE_STATE_FORMAT
+    assert saved["format"] == GALORE_STATE_FORMAT
     assert saved["global_step"] == 4 and saved["optimizer"] == "galore_adamw"
     assert saved["config"] == hgp.GaLoreConfig(rank=4, update_proj_gap=2).to_dict()
     assert any(key.endswith("galore_factor") for key in saved["state"])
     assert not [name for name in os.listdir(run_dir / "checkpoint-4") if ".tmp" in name]
 
 
-# ---------------------------------------------------------------------- binding (item 3)
+# ---------------------------------------------------------------------- binding
 def test_galore_state_copied_from_another_step_is_refused(run_dir, tmp_path):
     folder = copy_checkpoint(run_dir, 4, tmp_path)
     shutil.copy(run_dir / "checkpoint-2" / GALORE_STATE_NAME, os.path.join(folder, GALORE_STATE_NAME))
@@ -118,15 +119,15 @@ def test_galore_state_left_by_another_run_is_refused(run_dir, tmp_path):
 
 
 @pytest.mark.parametrize("from_step", [2, 4])
-def test_galore_state_in_the_unreleased_plain_dict_format_is_refused_naming_the_fix(run_dir, tmp_path, from_step):
-    # That format carries no step or settings: even checkpoint-4's own tensors in it cannot be verified, and
-    # checkpoint-2's (the case that resumed 1.2e-2 away from the uninterrupted run) must never load.
+def test_galore_state_without_its_format_is_refused_naming_the_fix(run_dir, tmp_path, from_step):
+    # A plain dict of tensors carries no step or settings: even checkpoint-4's own tensors in it cannot be
+    # verified against the checkpoint, and checkpoint-2's must never load into checkpoint-4.
     folder = copy_checkpoint(run_dir, 4, tmp_path)
     state = torch.load(run_dir / f"checkpoint-{from_step}" / GALORE_STATE_NAME, weights_only=True)["state"]
     torch.save(state, os.path.join(folder, GALORE_STATE_NAME))
     reseal(folder)
     trainer = make_trainer(tmp_path / "resumed", max_steps=6)
-    with pytest.raises(GaLoreCheckpointError, match=r"format of unreleased development versions") as info:
+    with pytest.raises(GaLoreCheckpointError, match=r"is not a galore_state.pt written by hf_galore_plugin") as info:
         trainer.train(resume_from_checkpoint=folder)
     assert folder in str(info.value) and "from_pretrained" in str(info.value)
     assert trainer.state.global_step == 0
@@ -157,7 +158,7 @@ def test_a_new_save_into_an_old_folder_removes_the_stale_manifest_state_and_temp
     assert not os.path.exists(stale)
 
 
-# ---------------------------------------------------------------------- settings (item 4)
+# ---------------------------------------------------------------------- settings
 @pytest.mark.parametrize(
     "optim_args, field, saved, now",
     [
@@ -200,7 +201,7 @@ def test_resume_of_a_run_started_under_the_old_defaults_keeps_them(tmp_path, cap
     with caplog.at_level(logging.WARNING):
         resumed.train(resume_from_checkpoint=str(tmp_path / "old" / "checkpoint-4"))
     assert "refresh_schedule='aligned', basis_method='svd', the defaults before the bounded refresh" in caplog.text
-    config = resumed.model.galore_config
+    config = hgp.state_of(resumed.model).config
     assert (config.refresh_schedule, config.basis_method) == ("aligned", "svd")
     expected = hgp.galore_state_dict(uninterrupted.model)
     for key, value in hgp.galore_state_dict(resumed.model).items():
@@ -218,7 +219,7 @@ def test_plain_api_rank_mismatch_names_the_layer_and_the_setting():
         hgp.load_galore_state_dict(model, hgp.galore_state_dict(other))
 
 
-# ---------------------------------------------------------------------- unreadable files (item 5)
+# ---------------------------------------------------------------------- unreadable files
 @pytest.mark.parametrize("damage", ["truncated", "pickled object", "empty"])
 def test_unreadable_galore_state_names_file_and_checkpoint(run_dir, tmp_path, damage):
     folder = copy_checkpoint(run_dir, 4, tmp_path)
@@ -239,7 +240,7 @@ def test_unreadable_galore_state_names_file_and_checkpoint(run_dir, tmp_path, da
     assert "weights_only" not in message and info.value.__cause__ is None and info.value.__suppress_context__
 
 
-# ---------------------------------------------------------------------- completeness (item 2)
+# ---------------------------------------------------------------------- completeness
 def test_resume_true_skips_an_incomplete_newest_checkpoint(run_dir, tmp_path, caplog):
     out = tmp_path / "out"
     copy_checkpoint(run_dir, 2, out)
@@ -278,19 +279,19 @@ def test_explicit_incomplete_checkpoint_is_refused_naming_the_complete_one(run_d
 def test_rotation_waits_for_the_galore_state(tmp_path, monkeypatch):
     # save_total_limit=1: when galore_state.pt of checkpoint-4 is written, checkpoint-2 must still exist.
     seen = []
-    original = hgp.api.save_galore_checkpoint
+    original = saving.save_galore_checkpoint
 
     def spy(path, *args, **kwargs):
         seen.append(sorted(name for name in os.listdir(os.path.dirname(os.path.dirname(path))) if "checkpoint" in name))
         return original(path, *args, **kwargs)
 
-    monkeypatch.setattr(hgp.api, "save_galore_checkpoint", spy)
+    monkeypatch.setattr(saving, "save_galore_checkpoint", spy)
     make_trainer(tmp_path, save_total_limit=1).train()
     assert seen == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"]]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
 
-# ---------------------------------------------------------------------- peft (item 1)
+# ---------------------------------------------------------------------- peft
 def _peft_trainer(output_dir, **overrides):
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)

@@ -17,6 +17,7 @@ from hf_galore_plugin import (
     merge_and_unload,
     merged_state_dict,
     prepare_model,
+    state_of,
 )
 
 from hf_galore_plugin.config import PAPER_REFRESH
@@ -288,8 +289,66 @@ def test_default_targets_skip_head_small_and_non_linear_layers():
     model = prepare_model(_TinyLM(), GaLoreConfig(rank=8))
     names = [n for n, _ in galore_layers(model)]
     assert names == ["block.q_proj", "block.up"]
-    assert model.galore_report.skipped == {"block.tiny": "smaller side <= rank 8", "lm_head": "output head"}
+    assert state_of(model).report.skipped == {"block.tiny": "smaller side <= rank 8", "lm_head": "output head"}
     assert isinstance(model.embed, nn.Embedding) and isinstance(model.norm, nn.LayerNorm)
+
+
+def test_a_copy_of_a_prepared_model_is_prepared_and_trains_as_the_original():
+    # copy.deepcopy (EMA copies, model_init caches) keeps the GaLore layers; the package must take the copy
+    # as prepared with the same config. Oracle: the original, stepped the same way.
+    import copy
+
+    torch.manual_seed(0)
+    model = prepare_model(_TinyLM(), GaLoreConfig(rank=8, update_proj_gap=2))
+    twin = copy.deepcopy(model)
+    state = state_of(twin)
+    assert state is not None and state.model is twin and state.config == state_of(model).config
+    assert state.report is None and state_of(twin) is state
+    tokens = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    for net in (model, twin):
+        optimizer = create_optimizer(net, lr=1e-2)
+        for _ in range(3):
+            net(tokens).sum().backward()
+            optimizer.step()
+            after_step(net, optimizer)
+            optimizer.zero_grad()
+    for (name, a), (_, b) in zip(model.state_dict().items(), twin.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_state_of_finds_the_prepared_model_and_writes_no_attribute_on_user_objects():
+    # The oracle is the objects' own attribute dicts before the package touched them: preparing, building
+    # the optimizer, stepping and merging add no entry to the model's, the optimizer's or a parameter's.
+    model = _TinyLM()
+    model_attrs, embed_param_attrs = set(vars(model)), set(vars(model.embed.weight))
+    config = GaLoreConfig(rank=8, update_proj_gap=2)
+    assert state_of(model) is None
+    assert prepare_model(model, config) is model
+    state = state_of(model)
+    assert state is not None and state.model is model and state.config == config
+    assert state.report.targeted == ["block.q_proj", "block.up"]
+
+    class Wrapper(nn.Module):  # as DDP / DeepSpeed hold the prepared model under .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    assert state_of(Wrapper(model)) is state and state_of(nn.Sequential(Wrapper(model))) is state
+    optimizer = create_optimizer(model, lr=1e-3)
+    optimizer_attrs = set(vars(optimizer))
+    for _ in range(3):
+        model(torch.randint(0, 50, (2, 5))).sum().backward()
+        optimizer.step()
+        after_step(model, optimizer)
+        optimizer.zero_grad()
+    assert set(vars(model)) == model_attrs and set(vars(model.embed.weight)) == embed_param_attrs
+    assert set(vars(optimizer)) == optimizer_attrs
+    factors = [layer.galore_factor for _, layer in galore_layers(model)]
+    merge_and_unload(model)
+    assert state_of(model) is None and set(vars(model)) == model_attrs
+    assert all(not vars(factor) for factor in factors)
+    with pytest.raises(RuntimeError, match=r"after merge_and_unload"):
+        optimizer.step()
 
 
 def test_explicit_targets_regex_and_list():
@@ -354,7 +413,7 @@ def test_merge_and_unload_gives_plain_linear_with_same_outputs(preset):
     state = merged_state_dict(model)
     merge_and_unload(model)
     assert not any(isinstance(m, GaLoreLinear) for m in model.modules())
-    assert not hasattr(model, "galore_config")
+    assert state_of(model) is None
     with torch.no_grad():
         torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
     fresh = _TinyLM()

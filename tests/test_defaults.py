@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_galore_plugin import PRESETS, GaLoreConfig, after_step, create_optimizer, galore_layers, prepare_model
-from hf_galore_plugin.api import apply_mutable_changes, compare_galore_config
+from hf_galore_plugin import PRESETS, GaLoreConfig, after_step, create_optimizer, galore_layers, prepare_model, state_of
+from hf_galore_plugin.checkpoint.state import apply_mutable_changes, compare_galore_config
 from hf_galore_plugin.config import PAPER_REFRESH, kept_on_resume
 
 # Six layers of different sizes (fp32 gradients 1536 to 16896 bytes), left and right bases.
@@ -105,7 +105,7 @@ def test_kept_on_resume_keeps_only_what_a_changed_default_moved(saved, now, budg
 
 def _checkpoint(model: nn.Module, optimizer) -> dict:
     buffer = io.BytesIO()
-    config = model.galore_config.to_dict()
+    config = state_of(model).config.to_dict()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": config}, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
@@ -117,7 +117,7 @@ def _resume(saved: dict, **overrides):
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     # what every resume path of the Trainer integration does after loading galore_state.pt
-    changed = compare_galore_config(saved["config"], model.galore_config, where="checkpoint-9")
+    changed = compare_galore_config(saved["config"], state_of(model).config, where="checkpoint-9")
     apply_mutable_changes(model, changed, where="checkpoint-9")
     return model, optimizer
 
@@ -137,7 +137,7 @@ def test_resume_of_a_run_started_under_the_old_defaults_continues_as_it_started(
         model, optimizer = _resume(saved)  # today's defaults: staggered, sketch
     assert "refresh_schedule='aligned', basis_method='svd', the defaults before the bounded refresh" in caplog.text
     assert "take effect" not in caplog.text  # nothing else changed
-    assert (model.galore_config.refresh_schedule, model.galore_config.basis_method) == ("aligned", "svd")
+    assert (state_of(model).config.refresh_schedule, state_of(model).config.basis_method) == ("aligned", "svd")
     resumed_trace = _run(model, optimizer, data[9:])
     assert resumed_trace == trace[9:]  # every layer refreshes at step 12 and 18, with its dense gradient
     resumed = model.state_dict()

@@ -110,7 +110,7 @@ def test_reading_without_an_adamw_baseline_compares_nothing():
 
 
 def test_galore_rate_groups_put_the_weights_galore_projects_at_lr_times_scale():
-    from hf_galore_plugin import GaLoreConfig, prepare_model
+    from hf_galore_plugin import GaLoreConfig, prepare_model, state_of
 
     model = build_tiny_llama()
     projected = demo.block_linear_names(model)
@@ -124,7 +124,7 @@ def test_galore_rate_groups_put_the_weights_galore_projects_at_lr_times_scale():
 
     # the same layers the demo's GaLore runs project (the preset's default targets at the demo's rank)
     config = GaLoreConfig.preset("galore_adamw", rank=model.config.hidden_size // 4)
-    assert sorted(prepare_model(build_tiny_llama(), config).galore_report.targeted) == sorted(projected)
+    assert sorted(state_of(prepare_model(build_tiny_llama(), config)).report.targeted) == sorted(projected)
 
 
 def test_galore_rate_groups_refuse_a_name_that_is_no_weight():

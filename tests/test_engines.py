@@ -21,7 +21,9 @@ from hf_galore_plugin.engines.capabilities import (
     UnsupportedByEngine,
     check_moment_handling,
 )
+from hf_galore_plugin.config import GaLoreConfig
 from hf_galore_plugin.engines.deepspeed import DeepSpeedGaLoreOptimizer
+from hf_galore_plugin.state import record_state
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_galore_plugin"
 
@@ -72,8 +74,9 @@ def test_no_module_words_the_project_refusal_itself():
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeed_adapter_refuses_project_with_the_table_wording(stage):
-    config = SimpleNamespace(moment_handling="project")
-    engine = SimpleNamespace(zero_optimization_stage=lambda: stage, module=SimpleNamespace(galore_config=config))
+    model = torch.nn.Linear(4, 4)  # recorded as prepared: the adapter reads the config through state_of
+    record_state(model, GaLoreConfig(rank=2, moment_handling="project"), report=None)
+    engine = SimpleNamespace(zero_optimization_stage=lambda: stage, module=model)
     with pytest.raises(UnsupportedByEngine, match=f"not supported under DeepSpeed ZeRO-{stage}: the moments"):
         DeepSpeedGaLoreOptimizer(engine)
 

@@ -30,15 +30,15 @@ from conftest import build_tiny_llama, token_data, training_args, use_torch_twin
 from transformers import Trainer  # noqa: E402
 
 import hf_galore_plugin as hgp  # noqa: E402
-from hf_galore_plugin.api import GaLoreCheckpointError  # noqa: E402
-from hf_galore_plugin.layers import assign_refresh_phases  # noqa: E402
-from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME  # noqa: E402
-from hf_galore_plugin.integrations.manifest import (  # noqa: E402
+from hf_galore_plugin.checkpoint.files import GaLoreCheckpointError  # noqa: E402
+from hf_galore_plugin.checkpoint.manifest import (  # noqa: E402
     MANIFEST_NAME,
     CheckpointIntegrityError,
     checkpoint_files,
     write_manifest,
 )
+from hf_galore_plugin.checkpoint.state import GALORE_STATE_NAME  # noqa: E402
+from hf_galore_plugin.layers import assign_refresh_phases  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fault_worker.py")
 
@@ -240,8 +240,8 @@ class _RefreshLog(transformers.TrainerCallback):
                 self.events.add((name, step))
         if state.global_step == self.switch_at:
             # The oracle: the setting changed by hand at this step, as a user would between two steps.
-            config = model.galore_config.replace(refresh_schedule="staggered")
-            model.galore_config = config
+            state = hgp.state_of(model)
+            config = state.config = state.config.replace(refresh_schedule="staggered")
             layers = [layer for _, layer in hgp.galore_layers(model)]
             for layer in layers:
                 layer.config = config
@@ -266,7 +266,7 @@ def test_refresh_schedule_changed_on_resume_takes_effect_at_the_resumed_step(tmp
     resumed.add_callback(log)
     resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-4"))
 
-    fresh = hgp.prepare_model(build_tiny_llama(seed=0, **SMALL_LLAMA), resumed.model.galore_config)
+    fresh = hgp.prepare_model(build_tiny_llama(seed=0, **SMALL_LLAMA), hgp.state_of(resumed.model).config)
     phases = {name: layer.counter("galore_phase") for name, layer in hgp.galore_layers(fresh)}
     assert len(set(phases.values())) > 1  # the layers are really staggered
     assert {name: layer.counter("galore_phase") for name, layer in hgp.galore_layers(resumed.model)} == phases

@@ -32,11 +32,8 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments  # noqa: E
 from transformers.trainer_utils import check_target_module_exists  # noqa: E402
 from transformers.training_args import OptimizerNames  # noqa: E402
 
-from hf_galore_plugin.integrations.transformers import (  # noqa: E402
-    GaLoreOptimizerFactory,
-    _check_training_args,
-    served_optimizer_names,
-)
+from hf_galore_plugin.integrations.construction import check_training_args  # noqa: E402
+from hf_galore_plugin.integrations.names import GaLoreOptimizerFactory, served_optimizer_names  # noqa: E402
 
 PLUGIN_NAMES = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -179,7 +176,7 @@ def test_no_takeover_env_leaves_transformers_names_alone():
         """
         import hf_galore_plugin
         from transformers import TrainingArguments
-        from hf_galore_plugin.integrations.transformers import served_optimizer_names
+        from hf_galore_plugin.integrations.names import served_optimizer_names
         print(sorted(served_optimizer_names()))
         """,
         env={**ENV, "HF_GALORE_PLUGIN_NO_TAKEOVER": "1"},
@@ -233,12 +230,12 @@ def test_deepspeed_optimizer_block_is_refused():
         hf_deepspeed_config = type("DS", (), {"config": {"optimizer": {"type": "AdamW"}, "zero_optimization": {}}})()
 
     with pytest.raises(ValueError, match="Remove the 'optimizer' block"):
-        _check_training_args(Args(), "qgalore_adamw_8bit")
+        check_training_args(Args(), "qgalore_adamw_8bit")
 
     class Plain:
         hf_deepspeed_config = type("DS", (), {"config": {"zero_optimization": {"stage": 2}}})()
 
-    _check_training_args(Plain(), "qgalore_adamw_8bit")  # no optimizer block: accepted
+    check_training_args(Plain(), "qgalore_adamw_8bit")  # no optimizer block: accepted
 
 
 # ---------------------------------------------------------------------- optim_args
@@ -347,7 +344,7 @@ def test_optim_args_transformers_cannot_parse_fail_at_trainer_construction(tmp_p
     model = _TinyMLP()
     with pytest.raises(ValueError, match=pattern):
         Trainer(model=model, args=args)
-    assert isinstance(model.up, nn.Linear) and not hasattr(model, "galore_config")
+    assert isinstance(model.up, nn.Linear) and hf_galore_plugin.state_of(model) is None
 
 
 def test_one_exclude_modules_name_is_a_list_of_one():
@@ -361,7 +358,7 @@ def test_bad_optim_args_fail_at_trainer_construction(tmp_path):
     model = _TinyMLP()
     with pytest.raises(ValueError, match="unknown optim_args key 'update_gap'"):
         Trainer(model=model, args=args)
-    assert isinstance(model.up, nn.Linear) and not hasattr(model, "galore_config")
+    assert isinstance(model.up, nn.Linear) and hf_galore_plugin.state_of(model) is None
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,15 @@ Patching happens at import, so most tests run a fresh interpreter (``python_subp
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import transformers
 import transformers.trainer as trainer_module
 
+from hf_galore_plugin.integrations import names, patching
 from hf_galore_plugin.integrations import transformers as integration
 
 # Every patch target, read from the helper's own list (so the tests follow it), except the entries the
@@ -19,7 +22,7 @@ from hf_galore_plugin.integrations import transformers as integration
 DELETABLE = [
     target.name
     for target in integration.trainer_patch_targets(trainer_module)
-    + list(integration._trainer_requires(trainer_module))
+    + list(integration.trainer_requires(trainer_module))
     if not isinstance(target.owner, dict)
 ]
 
@@ -57,13 +60,29 @@ def test_the_target_list_covers_every_patched_trainer_attribute():
     marked = {
         f"transformers.Trainer.{name}"
         for name, value in vars(trainer_module.Trainer).items()
-        if integration._is_marked(value)
+        if patching.is_marked(value)
     }
     marked |= {
-        f"transformers.trainer.{name}" for name, value in vars(trainer_module).items() if integration._is_marked(value)
+        f"transformers.trainer.{name}" for name, value in vars(trainer_module).items() if patching.is_marked(value)
     }
     assert marked and marked <= names, marked - names
     assert "transformers.Trainer._load_optimizer_and_scheduler" in names
+
+
+def test_the_documented_patch_table_lists_exactly_the_targets():
+    # docs/architecture.md, "What the transformers integration patches": every attribute of the Trainer and
+    # of transformers.trainer that is patched or required must be listed, and nothing else. The table also
+    # lists get_optimizer_cls_and_kwargs, a target only where transformers has no handler table (4.57).
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    table = doc.split("## What the transformers integration patches", 1)[1]
+    documented = set(re.findall(r"`Trainer\.(\w+)`", table)) | set(re.findall(r"module global `(\w+)`", table))
+    targets = {
+        target.name.rpartition(".")[2]
+        for target in integration.trainer_patch_targets(trainer_module) + list(integration.trainer_requires(trainer_module))
+        if not isinstance(target.owner, dict)
+    }
+    assert targets <= documented, f"patched but not in docs/architecture.md: {sorted(targets - documented)}"
+    assert documented - targets <= {"get_optimizer_cls_and_kwargs"}, sorted(documented - targets)
 
 
 @pytest.mark.parametrize("name", DELETABLE)
@@ -89,7 +108,7 @@ assert patched() == [], patched()
 """
     )
     error = result.stdout.split("ERRORS ", 1)[1]
-    assert name in error and transformers.__version__ in error and integration.SUPPORTED_TRANSFORMERS in error
+    assert name in error and transformers.__version__ in error and patching.SUPPORTED_TRANSFORMERS in error
 
 
 def test_without_a_handler_table_get_optimizer_cls_and_kwargs_is_wrapped(python_subprocess):
@@ -117,26 +136,26 @@ def test_with_a_handler_table_only_its_entries_are_added():
     table = getattr(trainer_module, "_OPTIMIZER_HANDLERS", None)
     if table is None:
         pytest.skip("platform: this transformers has no optimizer handler table (4.57); the wrapper is tested above")
-    assert not integration._is_marked(vars(trainer_module.Trainer)["get_optimizer_cls_and_kwargs"])
-    served = integration.served_optimizer_names()
-    assert {key for key, value in table.items() if integration._is_marked(value)} == set(served)
+    assert not patching.is_marked(vars(trainer_module.Trainer)["get_optimizer_cls_and_kwargs"])
+    served = names.served_optimizer_names()
+    assert {key for key, value in table.items() if patching.is_marked(value)} == set(served)
 
 
 @pytest.mark.parametrize(
     "version, supported", [("5.24.0", True), ("4.57.6", True), ("4.56.2", False), ("5.25.0", False)]
 )
 def test_version_outside_the_supported_range_warns_once(monkeypatch, version, supported):
-    monkeypatch.setattr(integration, "_installed_transformers", lambda: version)
-    monkeypatch.setattr(integration, "_version_checked", False)
+    monkeypatch.setattr(patching, "_installed_transformers", lambda: version)
+    monkeypatch.setattr(patching, "_version_checked", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert integration.check_transformers_version() is supported
-        assert integration.check_transformers_version() is supported
+        assert patching.check_transformers_version() is supported
+        assert patching.check_transformers_version() is supported
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     if supported:
         assert messages == []
     else:
-        assert len(messages) == 1 and version in messages[0] and integration.SUPPORTED_TRANSFORMERS in messages[0]
+        assert len(messages) == 1 and version in messages[0] and patching.SUPPORTED_TRANSFORMERS in messages[0]
 
 
 def test_version_outside_the_range_still_patches(python_subprocess):

@@ -18,7 +18,8 @@ import hf_galore_plugin as hgp
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback  # noqa: E402
 
-from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME, GaLoreCallback  # noqa: E402
+from hf_galore_plugin.checkpoint.state import GALORE_STATE_NAME  # noqa: E402
+from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
 from conftest import RANK_ARGS, build_tiny_llama, logged_losses, run_python, token_data, training_args  # noqa: E402
 from conftest import use_torch_twins  # noqa: E402
 
@@ -54,7 +55,7 @@ def test_trainer_replaces_layers_and_builds_optimizer_from_training_args(tmp_pat
     assert isinstance(model.model.layers[0].mlp.down_proj, hgp.GaLoreLinear)
     assert isinstance(model.lm_head, nn.Linear) and not isinstance(model.lm_head, hgp.GaLoreLinear)
     assert isinstance(trainer.callback_handler.callbacks[0], GaLoreCallback)
-    assert model.galore_config == hgp.GaLoreConfig.preset("qgalore_adamw_8bit", rank=8, update_proj_gap=3)
+    assert hgp.state_of(model).config == hgp.GaLoreConfig.preset("qgalore_adamw_8bit", rank=8, update_proj_gap=3)
     trainer.train()
 
     optimizer = trainer.optimizer.optimizer
@@ -63,7 +64,7 @@ def test_trainer_replaces_layers_and_builds_optimizer_from_training_args(tmp_pat
     decay = set(trainer.get_decay_parameter_names(model))
     for group in optimizer.param_groups:
         assert group["betas"] == (0.8, 0.95) and group["lr"] == trainer.lr_scheduler.get_last_lr()[0]
-        assert group["eps"] == pytest.approx(1e-7 * (model.galore_config.scale if group.get("galore") else 1.0))
+        assert group["eps"] == pytest.approx(1e-7 * (hgp.state_of(model).config.scale if group.get("galore") else 1.0))
         for p in group["params"]:  # the Trainer's own decay / no-decay split
             assert (group["weight_decay"] == 0.05) == (names[id(p)] in decay)
         assert group.get("galore", False) == all(names[id(p)].endswith("galore_factor") for p in group["params"])

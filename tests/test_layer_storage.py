@@ -221,6 +221,30 @@ def test_stored_tensor_quantized_matches_the_quant_library(storage, group_size):
     )
 
 
+@pytest.mark.parametrize("storage", ["int8", "int4", "nf4"])
+def test_stored_tensor_reads_the_scales_written_outside_store(storage):
+    # The eager read keeps each block's multiplier between reads; writes that bypass store() (load_state_dict
+    # copies into the buffers, module.to() and engines replace them) must show in the next read. Oracle: the
+    # quant library's dequantization of the buffers as they are.
+    module = nn.Module()
+    gen = torch.Generator().manual_seed(2)
+    store = StoredTensor(module, "w_q", storage, group_size=32)
+    store.store(torch.randn(16, 8, generator=gen))
+
+    def library_value() -> torch.Tensor:
+        return store.load().dequantize(torch.float32)
+
+    assert torch.equal(store.value(torch.float32), library_value())
+    other = nn.Module()
+    StoredTensor(other, "w_q", storage, group_size=32).store(3 * torch.randn(16, 8, generator=gen))
+    module.load_state_dict(other.state_dict())  # in place: same tensors, new version
+    assert torch.equal(store.value(torch.float32), library_value())
+    module._apply(lambda t: t.clone())  # new tensors
+    module.get_buffer("w_q_scales").mul_(2)
+    assert torch.equal(store.value(torch.float32), library_value())
+    assert torch.equal(store.value(torch.bfloat16), library_value().to(torch.bfloat16))
+
+
 def test_stored_tensor_stochastic_rounding_uses_the_given_generator():
     module = nn.Module()
     value = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))

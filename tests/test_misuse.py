@@ -61,7 +61,7 @@ def effective(model) -> dict[str, torch.Tensor]:
     return {name: layer.effective_weight(torch.float32).clone() for name, layer in hgp.galore_layers(model)}
 
 
-# ---------------------------------------------------------------------- item 6: the step driver
+# ---------------------------------------------------------------------- the step driver
 def _plain_loop(model, optimizer, steps: int, *, drive: bool) -> list[str]:
     """`steps` plain training steps (with `after_step` when `drive`); the messages of every warning."""
     batch = torch.randint(0, 128, (2, 8))
@@ -133,7 +133,7 @@ def test_trainer_building_a_foreign_optimizer_for_a_galore_model_is_refused(tmp_
         Trainer(model=model, args=args(tmp_path), train_dataset=token_data())
 
 
-# ---------------------------------------------------------------------- item 7: meta device
+# ---------------------------------------------------------------------- meta device
 class _MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -290,7 +290,7 @@ def test_meta_device_without_init_or_load_is_refused_naming_the_flows_that_work(
     assert (f"weight_storage={weight_storage!r}" in str(info.value)) == (weight_storage != "as_loaded")
 
 
-# ---------------------------------------------------------------------- item 8: config values
+# ---------------------------------------------------------------------- config values
 @pytest.mark.parametrize("field", ["scale", "cos_threshold", "lr_scale", "lr_recovery_fraction"])
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 def test_non_finite_float_fields_are_refused(field, value):
@@ -330,7 +330,7 @@ def test_int_fields_refuse_floats(field):
         hgp.GaLoreConfig(**{field: 8.5})
 
 
-# ---------------------------------------------------------------------- item 9: after merge_and_unload
+# ---------------------------------------------------------------------- after merge_and_unload
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_step_after_merge_and_unload_says_what_happened(weight_decay):
     model = hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4))
@@ -345,7 +345,7 @@ def test_step_after_merge_and_unload_says_what_happened(weight_decay):
         optimizer.step()
 
 
-# ---------------------------------------------------------------------- item 10: tied weights
+# ---------------------------------------------------------------------- tied weights
 def test_explicitly_targeting_a_tied_head_is_refused():
     model = tiny_llama(tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -358,12 +358,12 @@ def test_default_targets_skip_tied_linear_layers():
     model = tiny_llama()
     model.model.layers[0].mlp.up_proj.weight = model.model.layers[0].mlp.gate_proj.weight  # tied pair
     hgp.prepare_model(model, hgp.GaLoreConfig(rank=4))
-    report = model.galore_report
+    report = hgp.state_of(model).report
     assert report.skipped["model.layers.0.mlp.up_proj"].startswith("weight tied to")
     assert model.model.layers[0].mlp.up_proj.weight is model.model.layers[0].mlp.gate_proj.weight
 
 
-# ---------------------------------------------------------------------- item 11: messages
+# ---------------------------------------------------------------------- messages
 def test_gpt2_conv1d_message_names_the_real_reason():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_galore_plugin.quant as hq
-from hf_galore_plugin.optim.adamw8bit import adamw8bit_step
+from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, adamw8bit_step
 from hf_galore_plugin.utils import KERNEL_DISPATCH
 
 IMPLEMENTATIONS = [
@@ -60,7 +60,11 @@ def _quant_cases(scheme_bits=hq.SCHEME_BITS):
     return cases
 
 
-def _step_args(numel=300, error_feedback=True):
+HYPER = AdamW8bitHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
+
+
+def _step_tensors(numel=300, error_feedback=True):
+    """Parameter, gradient and the 4 state tensors (8 with error feedback) of one 8-bit parameter."""
     blocks = -(-numel // 256)
     g = torch.Generator().manual_seed(2)
     tensors = [
@@ -70,9 +74,14 @@ def _step_args(numel=300, error_feedback=True):
     ]  # fmt: skip
     if error_feedback:
         tensors += [torch.zeros(numel, dtype=torch.int8), torch.zeros(blocks)] * 2
-    else:
-        tensors += [None] * 4
-    return (*tensors, 3, 1e-2, 0.9, 0.999, 1e-8, 0.1, 256)
+    return tensors
+
+
+def _step_args(numel=300, error_feedback=True):
+    """Arguments of `hf_galore::adamw8bit_step` (one list per tensor argument) for one parameter at step 3."""
+    tensors = _step_tensors(numel, error_feedback)
+    lists = [[t] for t in tensors] + [[]] * (10 - len(tensors))
+    return (*lists, [3], *HYPER)
 
 
 def _meta(outputs):
@@ -96,15 +105,14 @@ def test_step_op_fake_allocates_nothing(error_feedback, implementation):
     """The 8-bit step under FakeTensorMode returns nothing and keeps every tensor's shape and dtype,
     as the real step does (it works in place)."""
     args = _step_args(error_feedback=error_feedback)
-    real_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    real_args = [[t.clone() for t in a] if i < 10 else a for i, a in enumerate(args)]
     assert torch.ops.hf_galore.adamw8bit_step(*real_args) is None
-    assert not torch.equal(real_args[0], args[0])  # the real step moved the parameter
+    assert not torch.equal(real_args[0][0], args[0][0])  # the real step moved the parameter
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake_args = [[mode.from_tensor(t) for t in a] if i < 10 else a for i, a in enumerate(args)]
         assert torch.ops.hf_galore.adamw8bit_step(*fake_args) is None
-    for fake, real in zip(fake_args, real_args):
-        if isinstance(real, torch.Tensor):
-            assert _meta(fake) == _meta(real)
+    for fake, real in zip(fake_args[:10], real_args[:10]):
+        assert _meta(tuple(fake)) == _meta(tuple(real))
 
 
 # opcheck runs each op ~10 times (interpreted kernels are slow): the schemes whose code paths differ
@@ -137,13 +145,12 @@ def test_entry_points_call_the_ops_or_inline_twins(monkeypatch):
     """The Python entry points call `torch.ops.hf_galore.*`; with `KERNEL_DISPATCH.inline_twins` the twins
     run as plain torch ops (a dispatch mode sees their aten ops) with bit-identical results."""
     x = _x(300)
-    state = [t.clone() if isinstance(t, torch.Tensor) else t for t in _step_args()[:10]]
-    hyper = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
+    state = _step_tensors()
     results = {}
     for inline in (False, True):
         monkeypatch.setattr(KERNEL_DISPATCH, "inline_twins", inline)
         monkeypatch.setattr(KERNEL_DISPATCH, "triton_disabled", True)
-        tensors = [t.clone() if t is not None else None for t in state]
+        tensors = [t.clone() for t in state]
         with _OpNames() as mode:
             codes, scales, zero_points = hq.quantize_blockwise(x, scheme="asymmetric", bits=4, block_size=BLOCK)
             out = hq.dequantize_blockwise(
@@ -156,7 +163,7 @@ def test_entry_points_call_the_ops_or_inline_twins(monkeypatch):
                 numel=300,
                 dtype=torch.float32,
             )
-            adamw8bit_step(*tensors, **hyper)
+            adamw8bit_step(tensors[0], tensors[1], tensors[2:], step=3, hyper=HYPER)
         ours = [n for n in mode.names if n.startswith("hf_galore::")]
         if inline:
             assert not ours and "aten::round" in mode.names
@@ -193,11 +200,11 @@ def test_dispatch_setting_is_read_once_at_import(python_subprocess):
 def test_step_entry_point_refuses_partial_error_feedback_state():
     """The residual tensors of error feedback come as all four or none: a partial set would make the torch
     step and the kernel disagree about which moments carry a residual."""
-    tensors = list(_step_args(error_feedback=True)[:10])
-    tensors[8] = None
-    hyper = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
-    with pytest.raises(ValueError, match=r"all given or all None, got \['given', 'given', None, 'given'\]"):
-        adamw8bit_step(*tensors, **hyper)
+    tensors = _step_tensors(error_feedback=True)
+    with pytest.raises(ValueError, match=r"state tuples of \[7\] tensors; give 4 .* or 8"):
+        adamw8bit_step(tensors[0], tensors[1], tensors[2:9], step=1, hyper=HYPER)
+    with pytest.raises(ValueError, match="a state tuple holds None"):
+        adamw8bit_step(tensors[0], tensors[1], [*tensors[2:8], None, tensors[9]], step=1, hyper=HYPER)
 
 
 @pytest.mark.parametrize("storage", ["int8", "nf4"])

@@ -525,6 +525,7 @@ def test_nearest_code_index_equals_sorted_search():
 
 
 def _eight_bit_state(n, error_feedback, block=256):
+    """A zero 8-bit state of n values: 4 tensors, or 8 with the residuals of error feedback."""
     blocks = -(-n // block)
     state = [
         torch.zeros(n, dtype=torch.int8),
@@ -532,199 +533,117 @@ def _eight_bit_state(n, error_feedback, block=256):
         torch.zeros(n, dtype=torch.uint8),
         torch.zeros(blocks),
     ]
-    state += [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks)] * 2 if error_feedback else [None] * 4
-    return state
+    return state + [torch.zeros(n, dtype=torch.int8), torch.zeros(blocks)] * 2 if error_feedback else state
 
 
-def _twin_runs(n, *, error_feedback, backends, dtype=torch.float32, steps=3):
-    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
+def _hyper(block_size=256, **overrides):
+    from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper
 
-    g = torch.Generator().manual_seed(n)
-    start = torch.randn(n, generator=g).to(dtype)
-    grads = [(torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype) for _ in range(steps)]
-    runs = []
-    for backend in backends:
-        param, state = start.clone(), _eight_bit_state(n, error_feedback)
-        for step, grad in enumerate(grads, 1):
-            adamw8bit_step_torch(
-                param, grad, *state, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                block_size=256, backend=backend,
-            )  # fmt: skip
-        runs.append((param, state))
-    return runs
+    return AdamW8bitHyper(**{"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1,
+                             "block_size": block_size, **overrides})  # fmt: skip
 
 
-@pytest.mark.parametrize("error_feedback", [False, True])
-@pytest.mark.parametrize("backend", ["inductor", "cpp"])
-def test_8bit_fast_backends_are_bit_identical_to_eager(backend, error_feedback):
-    # 70037 values: 273 full blocks (inductor: one compiled tile) and a 149-value tail block.
-    runs = _twin_runs(70037, error_feedback=error_feedback, backends=("eager", backend))
-    (eager_p, eager_s), (fast_p, fast_s) = runs
-    assert torch.equal(fast_p, eager_p)
-    for a, b in zip(fast_s, eager_s):
-        assert a is None and b is None or torch.equal(a, b)
+@pytest.fixture(scope="module")
+def cpp_step():
+    """The C++ CPU step, built for this machine (cached after the first build; minutes the first time)."""
+    import shutil
+
+    from hf_galore_plugin.optim import adamw8bit_cpu
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("platform: no C++ compiler to build optim/adamw8bit_cpu.cpp")
+    return adamw8bit_cpu.build()
 
 
-def _reset_backends(monkeypatch, adamw8bit):
-    for name in ("_compiled_step_blocks", "_compile_failure", "_cpp_extension", "_cpp_failure"):
-        monkeypatch.setattr(adamw8bit, name, None)
-
-
-def test_8bit_build_failures_fall_back_to_eager_with_one_warning_each(monkeypatch):
-    import warnings
-
+@pytest.fixture
+def no_cpp_build(monkeypatch, tmp_path):
+    """A process as on a machine where the C++ step was never built: an empty extension folder, the
+    lookup not done yet, and any build attempt an error."""
     import torch.utils.cpp_extension as cpp_extension
 
-    from hf_galore_plugin.optim import adamw8bit
-
-    def broken_compile(fn, **kwargs):
-        def call(*args, **kw):
-            raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
-
-        return call
-
-    def broken_load(*args, **kwargs):
-        raise RuntimeError("Ninja is required to load C++ extensions")
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    monkeypatch.setattr(cpp_extension, "load", broken_load)
-    _reset_backends(monkeypatch, adamw8bit)
-    with pytest.warns(RuntimeWarning) as record:
-        (eager_p, eager_s), (fallback_p, fallback_s) = _twin_runs(70037, error_feedback=False, backends=("eager", None))
-    messages = [str(w.message) for w in record]
-    assert len(messages) == 2, messages
-    assert "Ninja is required" in messages[0] and "InvalidCxxCompiler" in messages[1]
-    assert all("HF_GALORE_COMPILE=0" in m for m in messages)
-    assert torch.equal(fallback_p, eager_p) and all(torch.equal(a, b) for a, b in zip(fallback_s[:4], eager_s[:4]))
-    # After the failures no further attempt (and no further warning) is made.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _twin_runs(70037, error_feedback=False, backends=(None,), steps=1)
-
-
-def test_8bit_compile_off_by_environment_never_builds(monkeypatch):
-    import torch.utils.cpp_extension as cpp_extension
-
-    from hf_galore_plugin.optim import adamw8bit
+    from hf_galore_plugin.optim import adamw8bit_cpu
 
     def never(*args, **kwargs):
-        raise AssertionError("a build was attempted although HF_GALORE_COMPILE=0")
+        raise AssertionError("the C++ step was built inside a training step")
 
-    monkeypatch.setattr(torch, "compile", never)
     monkeypatch.setattr(cpp_extension, "load", never)
-    _reset_backends(monkeypatch, adamw8bit)
-    monkeypatch.setenv("HF_GALORE_COMPILE", "0")
-    _twin_runs(70037, error_feedback=False, backends=(None,), steps=1)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(adamw8bit_cpu, "_loaded", None)
+    monkeypatch.setattr(adamw8bit_cpu, "_looked_up", False)
+    return adamw8bit_cpu
 
 
-@pytest.mark.parametrize("n", [1, 1000, 4099])
-def test_8bit_small_fp32_tensors_take_the_cpp_step_not_the_eager_one(monkeypatch, n):
-    # A model's norms and biases are small: the default dispatch must send them to the C++ step
-    # (microseconds) rather than the eager twin's ~40 torch operations, with the twin's results.
-    from hf_galore_plugin.optim import adamw8bit
-
-    g = torch.Generator().manual_seed(n)
-    start, grad = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
-    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
-    eager_p, eager_state = start.clone(), _eight_bit_state(n, False)
-    for step in (1, 2):
-        adamw8bit.adamw8bit_step_torch(eager_p, grad, *eager_state, step=step, backend="eager", **hyper)
-
-    def eager_not_expected(*args, **kwargs):
-        raise AssertionError("the eager step ran for a small fp32 CPU tensor")
-
-    monkeypatch.setattr(adamw8bit, "_step_blocks", eager_not_expected)
-    param, state = start.clone(), _eight_bit_state(n, False)
-    for step in (1, 2):
-        adamw8bit.adamw8bit_step_torch(param, grad, *state, step=step, **hyper)
-    assert torch.equal(param, eager_p)
-    assert all(torch.equal(a, b) for a, b in zip(state[:4], eager_state[:4]))
+def _steps(step_fn, n, *, error_feedback, block_size=256, steps=3):
+    """(param, *state) after `steps` steps of `step_fn(param, grad, state, step=, hyper=)` from a fixed start."""
+    g = torch.Generator().manual_seed(n + block_size)
+    param, state = torch.randn(n, generator=g), _eight_bit_state(n, error_feedback, block=block_size)
+    for step in range(1, steps + 1):
+        grad = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+        if step == 2:
+            grad[::7] = 0.0  # zero gradients: second moments decay towards the map's zero code
+        step_fn(param, grad, state, step=step, hyper=_hyper(block_size))
+    return [param, *state]
 
 
-@pytest.mark.parametrize("build_seconds, notices", [(0.6, 1), (0.0, 0)])
-def test_8bit_cpp_build_says_what_the_wait_is_only_when_it_is_long(monkeypatch, caplog, build_seconds, notices):
-    # A first build of the C++ step takes minutes on a small machine: one log line names it and its
-    # cache; a cached build (about a second) stays quiet.
+def _cpp_one(module):
+    from hf_galore_plugin.optim import adamw8bit_cpu
+
+    def step_fn(param, grad, state, *, step, hyper):
+        lists = [[param], [grad], *([t] for t in state)] + [[]] * (8 - len(state))
+        adamw8bit_cpu.run(module, lists, torch.tensor([hyper.scalars(step)]), hyper.block_size)
+
+    return step_fn
+
+
+def test_8bit_without_a_build_runs_the_torch_step_and_names_the_build_command(no_cpp_build, caplog):
+    # A machine without the C++ build: the op runs the torch step at once (no compiler started inside the
+    # step: any build attempt fails this test), gives the torch step's results, and one log line names the
+    # command that builds the C++ step, once per process.
     import logging
-    import time
 
-    import torch.utils.cpp_extension as cpp_extension
+    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step, adamw8bit_step_torch
 
-    from hf_galore_plugin.optim import adamw8bit
-
-    real_load = cpp_extension.load
-
-    def load(*args, **kwargs):
-        time.sleep(build_seconds)
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(cpp_extension, "load", load)
-    _reset_backends(monkeypatch, adamw8bit)
-    monkeypatch.setattr(adamw8bit, "BUILD_NOTICE_SECONDS", 0.3)
-    n = 300
-    eager_p, eager_state = torch.ones(n), _eight_bit_state(n, False)
-    param, state = torch.ones(n), _eight_bit_state(n, False)
-    hyper = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
-    adamw8bit.adamw8bit_step_torch(eager_p, torch.full((n,), 0.5), *eager_state, backend="eager", **hyper)
-    with caplog.at_level(logging.WARNING, logger="hf_galore_plugin.optim.adamw8bit"):
-        adamw8bit.adamw8bit_step_torch(param, torch.full((n,), 0.5), *state, backend="cpp", **hyper)
-        time.sleep(0.4)  # a notice timer left running would fire here
-    messages = [r.getMessage() for r in caplog.records if "building the CPU 8-bit AdamW step" in r.getMessage()]
-    assert len(messages) == notices, messages
-    assert all("HF_GALORE_COMPILE=0" in m for m in messages)
-    assert torch.equal(param, eager_p)
+    with caplog.at_level(logging.WARNING, logger="hf_galore_plugin.optim.adamw8bit_cpu"):
+        through_op = _steps(adamw8bit_step, 70037, error_feedback=True)
+        _steps(adamw8bit_step, 300, error_feedback=False, steps=1)
+    oracle = _steps(adamw8bit_step_torch, 70037, error_feedback=True)
+    assert all(torch.equal(a, b) for a, b in zip(through_op, oracle, strict=True))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and no_cpp_build.BUILD_COMMAND in messages[0], messages
 
 
-def test_8bit_backend_argument_is_checked():
-    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
+def test_8bit_cpp_build_of_another_source_or_a_damaged_one_is_never_loaded(no_cpp_build, tmp_path, caplog):
+    # The build's name hashes its source, so a build of another version of the source is not found; a
+    # file that does not load as an extension is reported once and the torch step runs.
+    import logging
+    import os
 
-    state = _eight_bit_state(300, False)
-    hyper = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
-    with pytest.raises(ValueError, match="backend='triton'.*'eager', 'inductor' or 'cpp'"):
-        adamw8bit_step_torch(torch.zeros(300), torch.zeros(300), *state, backend="triton", **hyper)
-    with pytest.raises(ValueError, match="backend='cpp' needs fp32"):
-        adamw8bit_step_torch(
-            torch.zeros(300, dtype=torch.bfloat16),
-            torch.zeros(300, dtype=torch.bfloat16),
-            *state,
-            backend="cpp",
-            **hyper,
-        )
-
-
-def test_8bit_step_under_fake_tensors_never_builds_and_keeps_the_fast_path(monkeypatch):
-    # The memory planner runs the optimizer under FakeTensorMode: the compiled steps have no data to
-    # read there, and a build failure under it would disable them for every real step afterwards.
-    import torch.utils.cpp_extension as cpp_extension
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from hf_galore_plugin.optim import adamw8bit
-    from hf_galore_plugin.plan.tracker import LiveBytes
-
-    def never(*args, **kwargs):
-        raise AssertionError("a build was attempted on fake tensors")
-
-    monkeypatch.setattr(torch, "compile", never)
-    monkeypatch.setattr(cpp_extension, "load", never)
-    _reset_backends(monkeypatch, adamw8bit)
-    n = adamw8bit.COMPILE_MIN_NUMEL + 7
-    tracker = LiveBytes(scalar_fallback=True)  # answers the step's scalar reads, as in the planner
-    # Real constants (the cached code books) enter the fake step as in the planner's trace.
-    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
-        param, grad, state = torch.zeros(n), torch.ones(n), _eight_bit_state(n, False)
-        adamw8bit.adamw8bit_step_torch(
-            param, grad, *state, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256
-        )
-        assert param.shape == (n,)
-    assert tracker.peak > 0  # the eager step's temporaries were seen by the tracker
-    assert adamw8bit._cpp_failure is None and adamw8bit._compile_failure is None
+    name = no_cpp_build.extension_name()
+    changed = tmp_path / "changed.cpp"
+    changed.write_bytes(open(no_cpp_build.SOURCE, "rb").read() + b"\n// another version\n")
+    no_cpp_build.extension_name.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(no_cpp_build, "SOURCE", str(changed))
+            assert no_cpp_build.extension_name() != name
+    finally:
+        no_cpp_build.extension_name.cache_clear()
+    assert no_cpp_build.extension_name() == name
+    os.makedirs(no_cpp_build.build_directory())
+    with open(os.path.join(no_cpp_build.build_directory(), name + ".so"), "wb") as damaged:
+        damaged.write(b"not a shared object")
+    with caplog.at_level(logging.WARNING, logger="hf_galore_plugin.optim.adamw8bit_cpu"):
+        assert no_cpp_build.load_built() is None
+        assert no_cpp_build.load_built() is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "does not load" in messages[0] and no_cpp_build.BUILD_COMMAND in messages[0]
 
 
 def test_8bit_cpp_packed_lookup_equals_searchsorted_around_every_midpoint():
     # The C++ step's one-read code lookup (first | threshold << 8, compared on y's low bits) must give
     # #(midpoints < y) exactly: oracle torch.searchsorted, at and around every midpoint of both books,
     # both signs, zeros, tiny values, +-1 and values beyond the book.
-    from hf_galore_plugin.optim.adamw8bit import _packed_lookup_table
+    from hf_galore_plugin.optim.adamw8bit_cpu import packed_lookup_table
     from hf_galore_plugin.quant.dynamic import LOOKUP_BASE, LOOKUP_BUCKETS, LOOKUP_SHIFT, dynamic_code_book
 
     g = torch.Generator().manual_seed(5)
@@ -738,31 +657,11 @@ def test_8bit_cpp_packed_lookup_equals_searchsorted_around_every_midpoint():
         bits = values.view(torch.int32).long()
         key = ((bits & 0x7FFFFFFF) >> LOOKUP_SHIFT) - LOOKUP_BASE
         key = key.clamp(0, LOOKUP_BUCKETS - 1) + torch.where(bits < 0, LOOKUP_BUCKETS, 0)
-        entry = _packed_lookup_table(signed).long()[key]
+        entry = packed_lookup_table(signed).long()[key]
         low = (1 << LOOKUP_SHIFT) - 1
         z = (bits & low) ^ torch.where(bits < 0, low, 0)
         index = (entry & 0xFF) + (z > (entry >> 8)).long()
         assert torch.equal(index, torch.searchsorted(midpoints, values))
-
-
-def _cpp_vs_eager(n, block_size, error_feedback, steps=3):
-    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
-
-    g = torch.Generator().manual_seed(n + block_size)
-    start = torch.randn(n, generator=g)
-    grads = [torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4 for _ in range(steps)]
-    grads[1][::7] = 0.0  # zero gradients: second moments decay towards the map's zero code
-    runs = []
-    for backend in ("eager", "cpp"):
-        param, state = start.clone(), _eight_bit_state(n, error_feedback, block=block_size)
-        for step, grad in enumerate(grads, 1):
-            adamw8bit_step_torch(
-                param, grad, *state, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                block_size=block_size, backend=backend,
-            )  # fmt: skip
-        runs.append([param, *state])
-    for eager, cpp in zip(*runs):
-        assert eager is None and cpp is None or torch.equal(cpp, eager)
 
 
 @pytest.mark.parametrize("error_feedback", [False, True])
@@ -770,41 +669,93 @@ def _cpp_vs_eager(n, block_size, error_feedback, steps=3):
     "n, block_size",
     [(1, 256), (7, 256), (9, 256), (263, 256), (5003, 100), (4099, 64), (3001, 2048), (300_007, 256)],
 )
-def test_8bit_cpp_step_bit_identical_to_eager_on_tails_block_sizes_and_threads(n, block_size, error_feedback):
+def test_8bit_cpp_step_bit_identical_to_torch_step_on_tails_block_sizes_and_threads(
+    cpp_step, n, block_size, error_feedback
+):
     # The C++ step vectorizes 8 values at a time and finishes each block's last w % 8 values in scalar
     # code; blocks of 100 and tensor tails of 1..7 values run both paths, block sizes 64..2048 change
     # the per-block buffers, and 300_007 values (more than one thread's minimum share) run in parallel.
-    _cpp_vs_eager(n, block_size, error_feedback)
+    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cpp = _steps(_cpp_one(cpp_step), n, error_feedback=error_feedback, block_size=block_size)
+    finally:
+        torch.set_num_threads(threads)
+    oracle = _steps(adamw8bit_step_torch, n, error_feedback=error_feedback, block_size=block_size)
+    assert all(torch.equal(a, b) for a, b in zip(cpp, oracle, strict=True))
+
+
+@pytest.mark.parametrize("n", [1, 1000, 4099])
+def test_8bit_small_fp32_tensors_take_the_cpp_step_not_the_torch_one(cpp_step, monkeypatch, n):
+    # A model's small tensors: with the C++ step built, the op sends fp32 tensors of any size to it
+    # (microseconds) rather than to the torch step's ~40 operations, with the torch step's results.
+    from hf_galore_plugin.optim import adamw8bit
+
+    oracle = _steps(adamw8bit.adamw8bit_step_torch, n, error_feedback=False)
+
+    def torch_step_not_expected(*args, **kwargs):
+        raise AssertionError("the torch step ran for a small fp32 CPU tensor")
+
+    monkeypatch.setattr(adamw8bit, "_step_blocks", torch_step_not_expected)
+    through_op = _steps(adamw8bit.adamw8bit_step, n, error_feedback=False)
+    assert all(torch.equal(a, b) for a, b in zip(through_op, oracle, strict=True))
+
+
+def test_8bit_step_traced_by_the_planner_never_runs_the_cpp_step(cpp_step, monkeypatch):
+    # The memory planner traces the optimizer under a dispatch mode that counts bytes, with the torch step
+    # inlined (`KERNEL_DISPATCH.inline_twins`: its temporaries are what the mode must see), and under
+    # FakeTensorMode, where the op's fake registration answers: the C++ step runs in neither.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_galore_plugin.optim import adamw8bit, adamw8bit_cpu
+    from hf_galore_plugin.plan.tracker import LiveBytes
+    from hf_galore_plugin.utils import KERNEL_DISPATCH
+
+    def never(*args, **kwargs):
+        raise AssertionError("the C++ step ran in a traced step")
+
+    monkeypatch.setattr(adamw8bit_cpu, "run", never)
+    n = 70037
+    tracker = LiveBytes(scalar_fallback=True)
+    with monkeypatch.context() as inline, tracker:
+        inline.setattr(KERNEL_DISPATCH, "inline_twins", True)
+        traced = _steps(adamw8bit.adamw8bit_step, n, error_feedback=False, steps=1)
+    assert tracker.peak > 0  # the torch step's temporaries were seen by the tracker
+    oracle = _steps(adamw8bit.adamw8bit_step_torch, n, error_feedback=False, steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(traced, oracle, strict=True))
+    with FakeTensorMode():
+        param, state = torch.zeros(n), _eight_bit_state(n, False)
+        adamw8bit.adamw8bit_step(param, torch.ones(n), state, step=1, hyper=_hyper())
+        assert param.shape == (n,)
 
 
 @pytest.mark.parametrize("error_feedback", [False, True])
-def test_8bit_group_steps_in_one_cpp_call_bit_identical_to_per_tensor_steps(monkeypatch, error_feedback):
+def test_8bit_group_steps_in_one_cpp_call_bit_identical_to_per_tensor_torch_steps(
+    cpp_step, monkeypatch, error_feedback
+):
     # A group's 8-bit parameters go to the C++ step as one list: one call, whose blocks span tensors
     # of every size (tails, one value, more than a thread's share), each tensor at its own step count,
-    # with exactly the per-tensor step's results.
-    from hf_galore_plugin.optim import adamw8bit
+    # with exactly the torch step's results per tensor.
+    from hf_galore_plugin.optim import adamw8bit, adamw8bit_cpu
 
     sizes, steps = [1, 263, 4096, 300_007, 9, 5003], [1, 3, 2, 1, 5, 2]
     g = torch.Generator().manual_seed(0)
     starts = [torch.randn(n, generator=g) for n in sizes]
     grads = [torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4 for n in sizes]
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
-
-    def state_of(n):
-        return tuple(t for t in _eight_bit_state(n, error_feedback) if t is not None)
-
-    singles = [(start.clone(), state_of(n)) for start, n in zip(starts, sizes)]
+    singles = [(start.clone(), _eight_bit_state(n, error_feedback)) for start, n in zip(starts, sizes)]
     for (param, state), grad, step in zip(singles, grads, steps):
-        adamw8bit.adamw8bit_step(param, grad, *state, step=step, **hyper)
+        adamw8bit.adamw8bit_step_torch(param, grad, state, step=step, hyper=_hyper())
     calls = []
-    run_cpp = adamw8bit._run_cpp
-    monkeypatch.setattr(adamw8bit, "_run_cpp", lambda *args: calls.append(len(args[0])) or run_cpp(*args))
-    params, states = [s.clone() for s in starts], [state_of(n) for n in sizes]
-    adamw8bit.adamw8bit_step_multi(params, grads, states, steps=steps, **hyper)
+    run = adamw8bit_cpu.run
+    monkeypatch.setattr(adamw8bit_cpu, "run", lambda module, lists, *a: calls.append(len(lists[0])) or run(module, lists, *a))
+    params, states = [s.clone() for s in starts], [_eight_bit_state(n, error_feedback) for n in sizes]
+    adamw8bit.adamw8bit_step_multi(params, grads, states, steps=steps, hyper=_hyper())
     assert calls == [len(sizes)]
     for (single_param, single_state), param, state in zip(singles, params, states):
         assert torch.equal(param, single_param)
-        assert all(torch.equal(a, b) for a, b in zip(state, single_state))
+        assert all(torch.equal(a, b) for a, b in zip(state, single_state, strict=True))
 
 
 def test_8bit_optimizer_steps_each_group_of_8bit_parameters_in_one_call(monkeypatch):
@@ -829,11 +780,10 @@ def test_8bit_optimizer_steps_each_group_of_8bit_parameters_in_one_call(monkeypa
     real = functional.adamw8bit_step_multi
     calls = []
 
-    def one_at_a_time(params, grads, states, **kwargs):
+    def one_at_a_time(params, grads, states, *, steps, hyper):
         calls.append(len(params))
-        steps = kwargs.pop("steps")
         for i in range(len(params)):
-            real([params[i]], [grads[i]], [states[i]], steps=[steps[i]], **kwargs)
+            real([params[i]], [grads[i]], [states[i]], steps=[steps[i]], hyper=hyper)
 
     monkeypatch.setattr(functional, "adamw8bit_step_multi", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
     grouped = run()
@@ -846,39 +796,64 @@ def test_8bit_optimizer_steps_each_group_of_8bit_parameters_in_one_call(monkeypa
 def test_8bit_multi_step_refuses_mismatched_lists():
     from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_multi
 
-    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
     p, g = torch.zeros(8), torch.zeros(8)
-    four = tuple(t for t in _eight_bit_state(8, False) if t is not None)
-    eight = tuple(_eight_bit_state(8, True))
+    four, eight = tuple(_eight_bit_state(8, False)), tuple(_eight_bit_state(8, True))
     with pytest.raises(ValueError, match="2 params, 1 grads"):
-        adamw8bit_step_multi([p, p.clone()], [g], [four, four], steps=[1, 1], **hyper)
+        adamw8bit_step_multi([p, p.clone()], [g], [four, four], steps=[1, 1], hyper=_hyper())
     with pytest.raises(ValueError, match=r"state tuples of \[4, 8\] tensors"):
-        adamw8bit_step_multi([p, p.clone()], [g, g], [four, eight], steps=[1, 1], **hyper)
+        adamw8bit_step_multi([p, p.clone()], [g, g], [four, eight], steps=[1, 1], hyper=_hyper())
+    with pytest.raises(ValueError, match="a state tuple holds None"):
+        adamw8bit_step_multi([p], [g], [(*four, None, None, None, None)], steps=[1], hyper=_hyper())
 
 
-def test_8bit_multi_step_sends_bf16_parameters_per_tensor_and_the_rest_in_one_cpp_call(monkeypatch):
+def test_8bit_hyper_options_are_checked_by_name():
+    # The step's options are one typed bundle: a misspelt or missing option is an error naming it.
+    from hf_galore_plugin.optim import adamw_step_8bit
+
+    state = dict(zip(("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"), _eight_bit_state(8, False)))
+    with pytest.raises(TypeError, match="weight_decy"):
+        adamw_step_8bit(torch.zeros(8), torch.zeros(8), state, step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+                        eps=1e-8, weight_decy=0.0, block_size=256)  # fmt: skip
+    with pytest.raises(TypeError, match="block_size"):
+        adamw_step_8bit(torch.zeros(8), torch.zeros(8), state, step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+                        eps=1e-8, weight_decay=0.0)  # fmt: skip
+
+
+def test_8bit_multi_step_sends_bf16_parameters_per_tensor_and_the_rest_in_one_cpp_call(cpp_step, monkeypatch):
     # bf16 parameters have no C++ step: they take the torch step one by one while the fp32 ones of the
-    # same list still go to the C++ step together; every result equals the per-tensor step's.
-    from hf_galore_plugin.optim import adamw8bit
+    # same list still go to the C++ step together; every result equals the per-tensor torch step's.
+    from hf_galore_plugin.optim import adamw8bit, adamw8bit_cpu
 
     dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]
     g = torch.Generator().manual_seed(1)
     starts = [torch.randn(700 + 300 * i, generator=g).to(d) for i, d in enumerate(dtypes)]
     grads = [(torch.randn(s.numel(), generator=g) * 1e-2).to(s.dtype) for s in starts]
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=256)
-
-    def state_of(n):
-        return tuple(t for t in _eight_bit_state(n, False) if t is not None)
-
-    singles = [(s.clone(), state_of(s.numel())) for s in starts]
+    singles = [(s.clone(), _eight_bit_state(s.numel(), False)) for s in starts]
     for (param, state), grad in zip(singles, grads):
-        adamw8bit.adamw8bit_step(param, grad, *state, step=2, **hyper)
+        adamw8bit.adamw8bit_step_torch(param, grad, state, step=2, hyper=_hyper())
     calls = []
-    run_cpp = adamw8bit._run_cpp
-    monkeypatch.setattr(adamw8bit, "_run_cpp", lambda *args: calls.append([t.dtype for t in args[0]]) or run_cpp(*args))
-    params, states = [s.clone() for s in starts], [state_of(s.numel()) for s in starts]
-    adamw8bit.adamw8bit_step_multi(params, grads, states, steps=[2] * 5, **hyper)
+    run = adamw8bit_cpu.run
+    monkeypatch.setattr(
+        adamw8bit_cpu, "run", lambda module, lists, *a: calls.append([t.dtype for t in lists[0]]) or run(module, lists, *a)
+    )
+    params, states = [s.clone() for s in starts], [_eight_bit_state(s.numel(), False) for s in starts]
+    adamw8bit.adamw8bit_step_multi(params, grads, states, steps=[2] * 5, hyper=_hyper())
     assert calls == [[torch.float32] * 3]
     for (single_param, single_state), param, state in zip(singles, params, states):
         assert torch.equal(param, single_param)
-        assert all(torch.equal(a, b) for a, b in zip(state, single_state))
+        assert all(torch.equal(a, b) for a, b in zip(state, single_state, strict=True))
+
+
+def test_8bit_build_command_names_a_bad_argument_and_builds_nothing(monkeypatch, capsys):
+    # `python -m hf_galore_plugin.optim.build_cpu` takes --verbose only: anything else is named, with the
+    # usage, and exits 2 before a build starts.
+    from hf_galore_plugin.optim import adamw8bit_cpu, build_cpu
+
+    def never(**kwargs):
+        raise AssertionError("a build started on a bad command line")
+
+    monkeypatch.setattr(adamw8bit_cpu, "build", never)
+    assert build_cpu.main(["--fast"]) == 2
+    assert "unknown arguments ['--fast']" in capsys.readouterr().out
+    assert build_cpu.main(["--help"]) == 0
+    assert "python -m hf_galore_plugin.optim.build_cpu" in capsys.readouterr().out

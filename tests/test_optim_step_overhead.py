@@ -208,7 +208,7 @@ def test_fp32_group_steps_in_one_fused_call_bit_identical_to_one_tensor_each():
 
 
 def _multi_step_args(error_feedback: bool):
-    """Arguments of `hf_galore::adamw8bit_step_multi` for three parameters (one value, a partial block,
+    """Arguments of `hf_galore::adamw8bit_step` for three parameters (one value, a partial block,
     several blocks) at different step counts."""
     g = torch.Generator().manual_seed(2)
     sizes, block_size = [1, 300, 1024], 256
@@ -232,7 +232,7 @@ def test_multi_step_op_passes_opcheck_and_bumps_the_version_of_what_it_writes(er
     # The op is declared with torch.library.Library (custom_op's per-call Python costs more than the C++
     # step of a small group): torch's own checks of schema, fake registration and traced dispatch, and
     # the version counters autograd relies on to refuse a tensor modified after it was saved.
-    op = torch.ops.hf_galore.adamw8bit_step_multi.default
+    op = torch.ops.hf_galore.adamw8bit_step.default
     torch.library.opcheck(op, _multi_step_args(error_feedback))
     args = _multi_step_args(error_feedback)
     tensors = args[:10]
@@ -247,11 +247,11 @@ def test_multi_step_refuses_non_contiguous_state():
     # The op takes tensors of any shape without viewing them 1-D (a view per tensor per step costs more
     # than a small parameter's C++ step), so the kernels read them as flat memory: a transposed code
     # tensor would be read in the wrong order, and is refused instead.
-    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_multi
+    from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, adamw8bit_step_multi
 
     param, grad = torch.zeros(16, 32), torch.zeros(16, 32)
     codes = torch.zeros(32, 16, dtype=torch.int8).t()
     state = (codes, torch.zeros(2), torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(2))
-    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
+    hyper = AdamW8bitHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block_size=256)
     with pytest.raises(ValueError, match="every state tensor must be contiguous"):
-        adamw8bit_step_multi([param], [grad], [state], steps=[1], **hyper)
+        adamw8bit_step_multi([param], [grad], [state], steps=[1], hyper=hyper)

@@ -16,11 +16,11 @@ pytestmark = pytest.mark.triton
 
 from hf_galore_plugin.kernels import adamw8bit as kernels  # noqa: E402
 from hf_galore_plugin.optim import AdamW  # noqa: E402
-from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch, adamw8bit_step_triton  # noqa: E402
+from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, adamw8bit_step_torch, adamw8bit_step_triton  # noqa: E402
 from hf_galore_plugin.utils import KERNEL_DISPATCH  # noqa: E402
 
 BLOCK = 256
-HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
+HYPER = AdamW8bitHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=BLOCK)
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +39,7 @@ def _state(n, error_feedback):
     codes = lambda dtype: torch.zeros(n, dtype=dtype, device=device)  # noqa: E731
     scales = lambda: torch.zeros(blocks, device=device)  # noqa: E731
     state = [codes(torch.int8), scales(), codes(torch.uint8), scales()]
-    state += [codes(torch.int8), scales(), codes(torch.int8), scales()] if error_feedback else [None] * 4
-    return state
+    return state + [codes(torch.int8), scales(), codes(torch.int8), scales()] if error_feedback else state
 
 
 def _run_both(n, *, error_feedback, dtype=torch.float32, steps=3):
@@ -51,8 +50,8 @@ def _run_both(n, *, error_feedback, dtype=torch.float32, steps=3):
     for step in range(1, steps + 1):
         # Gradients spanning ~4 decades inside a block exercise every decade of the code book.
         grad = (torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype).to(_device())
-        adamw8bit_step_torch(twin_param, grad, *twin_state, step=step, block_size=BLOCK, **HYPER)
-        adamw8bit_step_triton(kernel_param, grad, *kernel_state, step=step, block_size=BLOCK, **HYPER)
+        adamw8bit_step_torch(twin_param, grad, twin_state, step=step, hyper=HYPER)
+        adamw8bit_step_triton(kernel_param, grad, kernel_state, step=step, hyper=HYPER)
     return twin_param, kernel_param, twin_state, kernel_state
 
 
@@ -64,8 +63,8 @@ def test_kernel_matches_twin_fp32(n, error_feedback):
     bucket table. 20000 values: 79 blocks in 10 programs of 8 blocks, the last one partly masked."""
     twin_param, kernel_param, twin_state, kernel_state = _run_both(n, error_feedback=error_feedback)
     assert torch.equal(kernel_param, twin_param)
-    for twin, kernel in zip(twin_state, kernel_state):
-        assert twin is None and kernel is None or torch.equal(kernel, twin)
+    for twin, kernel in zip(twin_state, kernel_state, strict=True):
+        assert torch.equal(kernel, twin)
 
 
 def test_kernel_matches_twin_bf16_params():
@@ -86,12 +85,10 @@ def test_kernel_empty_launch_is_noop(error_feedback):
     device = _device()
     buffers = [torch.full((2 * BLOCK,), 0.25, device=device), torch.full((2 * BLOCK,), -1.5, device=device)]
     for tensor in _state(2 * BLOCK, error_feedback):
-        if tensor is not None:
-            buffers.append(torch.full_like(tensor, 7 if tensor.dtype in (torch.int8, torch.uint8) else 0.5))
+        buffers.append(torch.full_like(tensor, 7 if tensor.dtype in (torch.int8, torch.uint8) else 0.5))
     before = [b.clone() for b in buffers]
-    views = iter([b[:0] for b in buffers])
-    args = [next(views), next(views)] + [next(views) if t is not None else None for t in _state(0, error_feedback)]
-    adamw8bit_step_triton(*args, step=1, block_size=BLOCK, **HYPER)
+    param, grad, *state = [b[:0] for b in buffers]
+    adamw8bit_step_triton(param, grad, state, step=1, hyper=HYPER)
     for buffer, original in zip(buffers, before):
         assert torch.equal(buffer, original)
 

@@ -61,6 +61,17 @@ def test_plan_matches_real_cpu_step(config, dtype, methods, rank):
         assert plan.refresh.peak_bytes >= plan.normal.peak_bytes
 
 
+def test_a_traced_refresh_takes_no_counter_write_for_a_direct_one():
+    # Fake buffers hold no values to re-read at a refresh: the layer's host counters stand, and the refresh
+    # must not report them as written behind its back (a RuntimeWarning that the trace turns into an error).
+    settings = Settings(seq_len=16, batch_size=2, dtype=torch.float32, gradient_checkpointing=True, device="cpu",
+                        rank=16, lora_rank=8, optim_args={})  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        plan = trace_method(_llama(64, 176, 2, 512), "galore_adamw", settings)
+    assert plan.refresh.peak_bytes > plan.normal.peak_bytes
+
+
 @pytest.mark.parametrize("method", ["adamw_torch", "galore_adamw_8bit"])
 def test_scaled_trace_equals_full_trace(method):
     # Scaling from 4 and 5 traced layers must reproduce the full 6-layer trace exactly.

@@ -11,7 +11,6 @@ but the allocator returns before the peak.
 
 from __future__ import annotations
 
-import contextlib
 import pathlib
 import subprocess
 import sys
@@ -64,23 +63,22 @@ def test_worker_resets_the_rss_high_water_mark():
 
 @pytest.mark.parametrize("numel", [4500, 2000, 700])
 def test_two_chunk_error_measure_has_the_peak_of_the_full_loop(numel):
-    # Oracle: the full chunked loop of layers.storage._relative_rms under the same fake-tensor accounting. The
-    # planner's shortcut (two chunks) must reach the same peak and leave the same bytes alive.
+    # Oracle: the full chunked loop of layers.storage._relative_rms under the same fake-tensor accounting. Its
+    # two-chunk loop under fake tensors (the planner's trace) must reach the same peak and leave the same bytes
+    # alive.
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hf_galore_plugin.layers import storage
-    from hf_galore_plugin.plan.trace import _two_error_chunks
     from hf_galore_plugin.plan.tracker import LiveBytes
 
-    def run(shortcut: bool) -> tuple[int, int]:
+    def run(every_chunk: bool) -> tuple[int, int]:
         tracker = LiveBytes(scalar_fallback=True)
         with FakeTensorMode(), tracker:
             approx, exact = torch.empty(numel), torch.empty(numel)
             tracker.reset_peak()  # the peak of the measure alone
-            with _two_error_chunks() if shortcut else contextlib.nullcontext():
-                storage._relative_rms(approx, exact, 1000)
+            storage._relative_rms(approx, exact, 1000, every_chunk=every_chunk)
             del approx, exact
         return tracker.peak, tracker.total
 
-    assert run(shortcut=True) == run(shortcut=False)
+    assert run(every_chunk=False) == run(every_chunk=True)

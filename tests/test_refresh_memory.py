@@ -351,7 +351,7 @@ def test_engines_two_ranks_match_single_process(tmp_path, engine, basis_method, 
 
 def _zero_adapter(model: nn.Module):
     """DeepSpeedGaLoreOptimizer over a stand-in ZeRO-2 engine whose client optimizer is a plain SGD."""
-    from hf_galore_plugin.integrations.distributed import DeepSpeedGaLoreOptimizer
+    from hf_galore_plugin.engines.deepspeed import DeepSpeedGaLoreOptimizer
 
     client = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     engine = SimpleNamespace(

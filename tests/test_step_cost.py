@@ -2,13 +2,14 @@
 the step driver's work; and the schedule shortcut the driver takes against the refresh rule it skips.
 
 Oracles: a TorchDispatchMode that counts every dispatched aten op (benchmarks/step_overhead.py's `OpCount`),
-the same model with plain nn.Linear layers under torch's fused AdamW, and `layers.schedule.compute_refresh_due`
+the same model with plain nn.Linear layers under torch's fused AdamW, and `layers.schedule.refresh_due`
 evaluated at every step.
 """
 
 from __future__ import annotations
 
 import functools
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -92,7 +93,7 @@ def test_step_driver_does_no_per_layer_work_on_an_ordinary_step(monkeypatch):
     model, _, step = _galore_run("galore_adamw")
     calls = []
     monkeypatch.setattr(GaLoreLinear, "after_optimizer_step", lambda self, *a: calls.append(self))
-    monkeypatch.setattr(schedule, "compute_refresh_due", lambda layer: calls.append(layer))
+    monkeypatch.setattr(schedule, "refresh_due", lambda *args: calls.append(args))
     with OpCount() as count:
         hgp.after_step(model)
     assert calls == [] and count.work == 0
@@ -100,29 +101,43 @@ def test_step_driver_does_no_per_layer_work_on_an_ordinary_step(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_next_refresh_step_is_the_first_step_the_rule_says_due(seed):
-    """`next_refresh_step` (what the step driver skips to) against `compute_refresh_due` evaluated at every
-    step, for random counters, gaps, phases and both schedules."""
+    """`next_refresh_step` (what the step driver skips to) against `refresh_due` evaluated at every step, for
+    random counters, gaps, phases and both schedules: pure functions, no layer."""
     rng = random.Random(seed)
-    for _ in range(200):
-        staggered = rng.random() < 0.5
-        gap = rng.randint(1, 7)
-        config = hgp.GaLoreConfig(rank=2, update_proj_gap=gap, refresh_schedule="staggered" if staggered else "aligned")
-        layer = hgp.prepare_model(nn.Sequential(nn.Linear(6, 8)), config)[0]
+    for _ in range(500):
+        period = rng.randint(1, 7)
+        rule = schedule.Schedule(staggered=rng.random() < 0.5, period=period, needs_basis=rng.random() < 0.9)
         calibrated = rng.random() < 0.7
-        layer._set_counter("galore_phase", rng.randrange(gap))
-        layer._set_counter("galore_num_refreshes", int(calibrated))
-        layer._set_counter("galore_last_refresh", rng.randint(0, 20) if calibrated else -1)
-        layer._set_counter("galore_gap", gap * rng.randint(1, 3))
-        start = rng.randint(0, 30)
-        layer._set_counter("galore_step", start)
-        expected = next(s for s in range(start, start + 200) if _due_at(layer, s))
-        layer._set_counter("galore_step", start)
-        assert schedule.next_refresh_step(layer) == expected
+        counters = schedule.Counters(
+            step=rng.randint(0, 30),
+            last_refresh=rng.randint(0, 20) if calibrated else -1,
+            num_refreshes=rng.randint(1, 3) if calibrated else 0,
+            gap=period * rng.randint(1, 3),
+            phase=rng.randrange(period),
+        )
+        due = (s for s in range(counters.step, counters.step + 200)
+               if schedule.refresh_due(dataclasses.replace(counters, step=s), rule))  # fmt: skip
+        assert schedule.next_refresh_step(counters, rule) == next(due, None), (counters, rule)
 
 
-def _due_at(layer, step):
-    layer._set_counter("galore_step", step)
-    return schedule.compute_refresh_due(layer)
+def test_a_layer_evaluates_the_rule_on_its_own_counters():
+    """The layer's `refresh_due` and `next_refresh_step` are the pure rule on `counters()` and `schedule`, as its
+    counters move (set_refresh_phase, a refresh, the clock)."""
+    config = hgp.GaLoreConfig(rank=2, update_proj_gap=3, refresh_schedule="staggered")
+    model = hgp.prepare_model(nn.Sequential(nn.Linear(6, 8)), config)
+    layer = model[0]
+    layer.set_refresh_phase(2)
+    optimizer = hgp.create_optimizer(model, lr=1e-3)
+    seen = []
+    for _ in range(12):
+        assert layer.refresh_due == schedule.refresh_due(layer.counters(), layer.schedule)
+        assert layer.next_refresh_step() == schedule.next_refresh_step(layer.counters(), layer.schedule)
+        seen.append(layer.refresh_due)
+        model(torch.randn(4, 6)).sum().backward()
+        optimizer.step()
+        hgp.after_step(model, optimizer)
+        optimizer.zero_grad()
+    assert seen == [False, False, True, False, False, True, False, False, True, False, False, True]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

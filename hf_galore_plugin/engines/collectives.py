@@ -16,11 +16,21 @@ if TYPE_CHECKING:
 _DTensor: Any
 try:
     from torch.distributed.tensor import DTensor as _DTensor
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 except ImportError:  # torch built without distributed support
     _DTensor = None
 
-__all__ = ["is_dtensor", "local_shard", "full_tensor", "shard_like", "world_size", "all_reduce_mean"]
+__all__ = [
+    "all_reduce_mean",
+    "from_local",
+    "full_tensor",
+    "is_dtensor",
+    "local_shard",
+    "one_row_per_shard",
+    "same_layout",
+    "shard_like",
+    "world_size",
+]
 
 
 def is_dtensor(t: Optional[torch.Tensor]) -> TypeGuard["DTensor"]:
@@ -46,6 +56,41 @@ def shard_like(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if is_dtensor(current) and not is_dtensor(value):
         return distribute_tensor(value, current.device_mesh, current.placements, src_data_rank=None)
     return value
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are DTensors on the same mesh with the same placements (cut the same way)."""
+    return (
+        is_dtensor(a) and is_dtensor(b) and a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements)
+    )
+
+
+def from_local(local: torch.Tensor, like: "DTensor", placements: Any = None, **shape_and_stride: Any) -> "DTensor":
+    """The DTensor whose local shard on this rank is `local`, on `like`'s mesh (with `like`'s placements, its
+    shape and stride unless given). No communication and no check across ranks."""
+    if not shape_and_stride:
+        shape_and_stride = dict(shape=like.shape, stride=like.stride())
+    placements = like.placements if placements is None else placements
+    return _DTensor.from_local(local, like.device_mesh, placements, run_check=False, **shape_and_stride)
+
+
+def one_row_per_shard(t: "DTensor") -> tuple[int, list[int], list[Any]]:
+    """How `t` is cut, for per-shard data (an 8-bit state's block scales): (number of shards, the shape of the
+    largest shard, the placements of a tensor with one row per shard). torch.chunk-style sharding gives the
+    first rank of a dimension ceil(dim / mesh size) entries: every rank can size its data for that."""
+    mesh, largest, shards = t.device_mesh, list(t.shape), 1
+    placements: list[Any] = []
+    for mesh_dim, placement in enumerate(t.placements):
+        if isinstance(placement, Shard):
+            size = mesh.size(mesh_dim)
+            largest[placement.dim] = -(-largest[placement.dim] // size)
+            shards *= size
+            placements.append(Shard(0))
+        elif isinstance(placement, Replicate):
+            placements.append(Replicate())
+        else:
+            raise NotImplementedError(f"DTensor placement {placement} is not supported (Shard and Replicate are)")
+    return shards, largest, placements
 
 
 def world_size() -> int:

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from ..state import state_of
 from ..utils import require
 from .capabilities import check_moment_handling, check_state_offload
 
@@ -84,9 +85,10 @@ class DeepSpeedGaLoreOptimizer:
                 "the engine's optimizer to after_step directly"
             )
         model = engine.module
-        config = getattr(model, "galore_config", None)
-        if config is None:
+        state = state_of(model)
+        if state is None:
             raise ValueError("the engine's model has no GaLore layers: call prepare_model(model, config) first")
+        config = state.config
         check_moment_handling(f"zero{self.zero_stage}", moment_handling=config.moment_handling)
         check_state_offload(f"zero{self.zero_stage}", state_offload=config.state_offload)
         self._layers = {

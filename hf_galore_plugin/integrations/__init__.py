@@ -12,8 +12,10 @@ the only way that keeps that promise:
 
 Each patch runs once per module (idempotent, under a lock) and is all or nothing: every target is
 checked before the first is replaced, and a missing one raises one error naming it, the installed
-version and the supported range (``SUPPORTED_TRANSFORMERS``). The patches live in
-:mod:`hf_galore_plugin.integrations.transformers`; docs/architecture.md lists them.
+version and the supported range (``SUPPORTED_TRANSFORMERS``). The patch table is
+:mod:`hf_galore_plugin.integrations.transformers` (one ``patch_*`` function per watched module, imported by
+name when that module has executed); docs/architecture.md lists every target and the module of its
+replacement.
 
 ``HF_GALORE_PLUGIN_NO_PATCH=1`` (read at ``import hf_galore_plugin``) installs no hook and patches
 nothing; README's "Without patching transformers" says what then works.

@@ -16,7 +16,7 @@ optimizer skipped (fp16 loss-scale overflow, ``step_was_skipped``) is not counte
 Under DeepSpeed the engine steps inside the last micro-batch's ``accelerator.backward`` (the
 Trainer's ``optimizer.step()`` is a no-op there), so ``on_step_end`` still comes after the update;
 ``after_step`` then talks to the engine through
-:class:`~hf_galore_plugin.integrations.distributed.DeepSpeedGaLoreOptimizer` (the engine keeps an
+:class:`~hf_galore_plugin.engines.deepspeed.DeepSpeedGaLoreOptimizer` (the engine keeps an
 fp32 master of every factor, and ZeRO-3 partitions the layers), which needs the Trainer's engine:
 the integration binds every ``GaLoreCallback`` to its Trainer when the Trainer is constructed.
 
@@ -42,15 +42,19 @@ from transformers import TrainerCallback
 # transformers' tqdm (tqdm is its dependency, not ours), which honours its disable_progress_bar() switch.
 from transformers.utils.logging import tqdm
 
-from ..api import after_step, galore_layers, galore_stats, refreshes_due
-
+from ..api import LR_SCALED, after_step, galore_layers, galore_stats, refreshes_due
+from ..checkpoint.manifest import MANIFEST_NAME, read_manifest
+from ..checkpoint.state import GALORE_STATE_NAME
 from ..config import GaLoreConfig
+from ..state import prepared_state, state_of
+from .common import checkpoint_folder, unwrap_optimizer
+from .patching import trainer_is_patched
+from .saving import save_galore_state, saved_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GaLoreCallback", "GALORE_STATE_NAME", "unwrap_optimizer", "galore_model_of"]
+__all__ = ["GaLoreCallback"]
 
-GALORE_STATE_NAME = "galore_state.pt"
 LOG_PREFIX = "galore/"
 # What a user watching the console needs from each log line (at most 4 keys; the rest are constant
 # or slow-moving numbers that belong in plots):
@@ -71,30 +75,6 @@ REFRESH_PROGRESS_DELAY_S = 2.0
 # Console callbacks of transformers, by class name: NotebookProgressCallback's module imports IPython.
 _CONSOLE_CALLBACKS = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")
 _clock = time.perf_counter
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The innermost torch optimizer under accelerate's / DeepSpeed's wrappers (``.optimizer`` chains).
-
-    accelerate's ``AcceleratedOptimizer`` mirrors ``param_groups`` but has no hook registries of its
-    own; hooks and ``after_step`` need the optimizer that really steps.
-    """
-    while True:
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
-            return optimizer
-        optimizer = inner
-
-
-def galore_model_of(model: Any) -> Any:
-    """The module holding ``galore_config`` under DDP/compile/peft wrappers, or None."""
-    for candidate in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
-        if candidate is not None and getattr(candidate, "galore_config", None) is not None:
-            return candidate
-    for module in model.modules():
-        if getattr(module, "galore_config", None) is not None:
-            return module
-    return None
 
 
 class GaLoreCallback(TrainerCallback):
@@ -160,18 +140,20 @@ class GaLoreCallback(TrainerCallback):
 
     def _config(self, model: Any) -> GaLoreConfig:
         if self.config is None:
-            prepared = galore_model_of(model)
-            if prepared is None:
+            state = state_of(model)
+            if state is None:
                 raise ValueError(
                     "GaLoreCallback needs a GaLore-prepared model (hf_galore_plugin.prepare_model) or a "
                     "GaLoreConfig: GaLoreCallback(config)"
                 )
-            self.config = prepared.galore_config
+            self.config = state.config
         return self.config
 
     def multiplier_at(self, global_step: int, max_steps: int) -> float:
         """lr multiplier of the GaLore groups for the optimizer step that follows `global_step` steps."""
         config = self.config
+        if config is None:
+            raise RuntimeError("GaLoreCallback.multiplier_at: no GaLoreConfig yet (on_train_begin reads the model's)")
         if config.lr_recovery_fraction <= 0 or max_steps <= 0:
             return config.lr_scale
         progress = min(1.0, global_step / (config.lr_recovery_fraction * max_steps))
@@ -185,7 +167,7 @@ class GaLoreCallback(TrainerCallback):
         # the scheduler, the logged learning rate and the checkpointed optimizer state equal to
         # the user's, so resume stays bit-exact.
         inner = unwrap_optimizer(optimizer)
-        if getattr(inner, "_galore_lr_hooks_installed", None) is self:
+        if LR_SCALED.get(inner) is self:
             return
         saved: list[tuple[dict, Any]] = []
 
@@ -208,7 +190,7 @@ class GaLoreCallback(TrainerCallback):
             )
         inner.register_step_pre_hook(scale_lr)
         inner.register_step_post_hook(restore_lr)
-        inner._galore_lr_hooks_installed = self
+        LR_SCALED[inner] = self
 
     # ------------------------------------------------------------------ events
     def _brief_console(self) -> None:
@@ -222,10 +204,10 @@ class GaLoreCallback(TrainerCallback):
             return
         for callback in trainer.callback_handler.callbacks:
             names = {cls.__name__ for cls in type(callback).__mro__}
-            if names.isdisjoint(_CONSOLE_CALLBACKS) or getattr(callback.on_log, "_galore_brief", False):
+            on_log = callback.on_log
+            if names.isdisjoint(_CONSOLE_CALLBACKS) or getattr(on_log, "func", None) is _brief_on_log:
                 continue
-            callback.on_log = functools.partial(_brief_on_log, callback.on_log, self)
-            callback.on_log._galore_brief = True
+            callback.on_log = functools.partial(_brief_on_log, on_log, self)
 
     def console_logs(self, logs: dict[str, Any]) -> dict[str, Any]:
         """What the console shows of `logs`: every key with ``log_keys="full"``, else the non-plugin keys
@@ -242,7 +224,7 @@ class GaLoreCallback(TrainerCallback):
             self._install_lr_hooks(optimizer)
         engine = self._deepspeed_engine(optimizer)
         if engine is not None:
-            from .distributed import DeepSpeedGaLoreOptimizer
+            from ..engines.deepspeed import DeepSpeedGaLoreOptimizer
 
             self._engine_optimizer = DeepSpeedGaLoreOptimizer(engine)
 
@@ -254,7 +236,7 @@ class GaLoreCallback(TrainerCallback):
         self.lr_multiplier = self.multiplier_at(state.global_step, state.max_steps)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        prepared = galore_model_of(model)
+        prepared = prepared_state(model, what="GaLoreCallback").model
         if getattr(optimizer, "step_was_skipped", False):
             # The gradients of a skipped step (fp16 overflow: inf/NaN) must not feed the next basis.
             for _, layer in galore_layers(prepared):
@@ -310,7 +292,7 @@ class GaLoreCallback(TrainerCallback):
         if self._refresh_seconds_since_log:
             extra[f"{LOG_PREFIX}refresh_seconds"] = sum(self._refresh_seconds_since_log)
             extra[f"{LOG_PREFIX}refresh_seconds_max"] = max(self._refresh_seconds_since_log)
-        stats = galore_stats(galore_model_of(model), unwrap_optimizer(optimizer))
+        stats = galore_stats(prepared_state(model, what="GaLoreCallback").model, unwrap_optimizer(optimizer))
         extra.update({key: float(value) for key, value in stats.items() if value is not None})  # keys "galore/..."
         self._refreshes_since_log.clear()
         self._similarities_since_log.clear()
@@ -325,19 +307,17 @@ class GaLoreCallback(TrainerCallback):
 
     def on_save(self, args, state, control, model=None, **kwargs):
         # The integration writes galore_state.pt inside Trainer._save_checkpoint, before rotation
-        # (integrations.transformers.save_galore_state). This covers a Trainer subclass whose own
+        # (integrations.saving.save_galore_state). This covers a Trainer subclass whose own
         # _save_checkpoint does not reach the integration's.
         trainer = self._trainer() if self._trainer is not None else None
-        if trainer is not None and getattr(trainer, "_galore_saved_step", None) == state.global_step:
+        if trainer is not None and saved_step(trainer) == state.global_step:
             return
-        from .transformers import save_galore_state, trainer_is_patched
-
         if not trainer_is_patched():
             # Without the patches (HF_GALORE_PLUGIN_NO_PATCH=1) the checkpoint's model file holds every
             # GaLore layer's own tensors, which the Trainer's resume loads back exactly: nothing to add.
             return
 
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        folder = checkpoint_folder(args.output_dir, state.global_step)
         if trainer is None:
             # not bound (added with trainer.add_callback): the integration's save has run if the file is there
             if _saved_for_step(folder, state.global_step):
@@ -348,13 +328,11 @@ class GaLoreCallback(TrainerCallback):
                 "callback is not bound to its Trainer to write one: pass the callback in Trainer(callbacks=[...]) "
                 "or call callback.bind_trainer(trainer)"
             )
-        save_galore_state(trainer, galore_model_of(model), folder)
+        save_galore_state(trainer, prepared_state(model, what="GaLoreCallback.on_save"), folder)
 
 
 def _saved_for_step(folder: str, step: int) -> bool:
     """Whether the integration completed checkpoint `folder` at `step` (its manifest, written last, says so)."""
-    from .manifest import MANIFEST_NAME, read_manifest
-
     if not os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
         return False
     return read_manifest(folder).get("global_step") == step

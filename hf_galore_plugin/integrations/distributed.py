@@ -7,9 +7,6 @@ a time; :func:`gathered_galore_state_dict` and :func:`load_gathered_galore_state
 the layers' exact state (``galore_state.pt``) with whole tensors; :func:`merged_state_dict_from` merges
 a state dict that an engine gathered (what ``Trainer.save_model`` gets from
 ``_zero3_consolidated_16bit_state_dict``). Without ZeRO-3 they are the plain versions.
-
-:class:`~hf_galore_plugin.engines.deepspeed.DeepSpeedGaLoreOptimizer`, :func:`is_zero3_partitioned` and
-:func:`zero3_gathered` live in :mod:`hf_galore_plugin.engines.deepspeed` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -23,15 +20,13 @@ from torch import nn
 from ..api import merged_state_dict, prepare_model
 from ..config import GaLoreConfig
 from ..engines.collectives import full_tensor, shard_like
-from ..engines.deepspeed import DeepSpeedGaLoreOptimizer, import_deepspeed, is_zero3_partitioned, zero3_gathered
+from ..engines.deepspeed import import_deepspeed, zero3_gathered
 from ..engines.fsdp1 import fsdp1_units, group_by_unit, summon_unit
 from ..inject import galore_state_per_layer, iter_galore_layers_by_key, select_targets
 from ..layers import GaLoreLinear, assign_refresh_phases
+from ..state import record_state, state_of
 
 __all__ = [
-    "DeepSpeedGaLoreOptimizer",
-    "is_zero3_partitioned",
-    "zero3_gathered",
     "prepare_zero3_model",
     "gathered_galore_state_dict",
     "load_gathered_galore_state_dict",
@@ -48,7 +43,7 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
     `ds_config` (the config the model was loaded under), so no rank ever holds more than one whole layer.
     """
     deepspeed = import_deepspeed("prepare_zero3_model")
-    if getattr(model, "galore_config", None) is not None:
+    if state_of(model) is not None:
         return prepare_model(model, config)  # already prepared: the core checks the config
     selected, report = select_targets(model, config)
     layers = []
@@ -63,8 +58,7 @@ def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) 
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         layers.append(layer)
     assign_refresh_phases(layers)
-    model.galore_config = config
-    model.galore_report = report
+    record_state(model, config, report)
     return model
 
 

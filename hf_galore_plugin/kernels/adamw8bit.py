@@ -1,7 +1,7 @@
 """Triton kernel of the fused 8-bit blockwise AdamW step and its launcher.
 
 The math and the state layout are `hf_galore_plugin.optim.adamw8bit`'s (its torch step is this
-kernel's twin and test oracle); the code books, lookup tables and step scalars come from the caller,
+kernel's test oracle); the code books, lookup tables and step scalars come from the caller,
 so this module imports nothing of the package but triton and torch. Every product and sum is a
 separate fp32 operation (launches turn off fused multiply-adds) and the square root is correctly
 rounded (`sqrt_rn`), so the kernel reproduces the torch step bit for bit.
@@ -158,50 +158,37 @@ def _adamw8bit_step_kernel(
 
 
 def launch_adamw8bit_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg_codes: torch.Tensor,
-    exp_avg_scales: torch.Tensor,
-    exp_avg_sq_codes: torch.Tensor,
-    exp_avg_sq_scales: torch.Tensor,
-    exp_avg_residual_codes: torch.Tensor | None,
-    exp_avg_residual_scales: torch.Tensor | None,
-    exp_avg_sq_residual_codes: torch.Tensor | None,
-    exp_avg_sq_residual_scales: torch.Tensor | None,
+    tensors: Sequence[torch.Tensor],
     *,
-    scalars: dict[str, float],
+    scalars: Sequence[float],
     tables: Sequence[torch.Tensor],
     lookup: tuple[int, int, int],
     block_size: int,
 ) -> None:
     """One 8-bit AdamW step in place, one program per `_TILE_VALUES // block_size` blocks.
 
-    Tensors as in `optim.adamw8bit.adamw8bit_step_torch`; `scalars`: its `adam_step_scalars` plus
-    "eps"; `tables`: (signed book, signed lookup table, signed padded midpoints, and the same three
-    unsigned) on `param`'s device; `lookup`: (LOOKUP_SHIFT, LOOKUP_BASE, LOOKUP_BUCKETS) of
-    `quant.dynamic`, which built the tables.
+    `tensors`: parameter, gradient and the parameter's 4 state tensors, or 8 with error feedback, in the
+    order of `optim.adamw8bit.TENSOR_ARGS` (flat, as `optim.adamw8bit.adamw8bit_step_torch` takes them);
+    `scalars`: the nine of `optim.adamw8bit.AdamW8bitHyper.scalars`, in the kernel's argument order;
+    `tables`: (signed book, signed lookup table, signed padded midpoints, and the same three unsigned) on
+    the parameter's device; `lookup`: (LOOKUP_SHIFT, LOOKUP_BASE, LOOKUP_BUCKETS) of `quant.dynamic`, which
+    built the tables.
     """
+    param = tensors[0]
     n = param.numel()
     if n == 0:
         return
-    error_feedback = exp_avg_residual_codes is not None
+    error_feedback = len(tensors) > 6
     # Without error feedback the residual pointers are never read (ERROR_FEEDBACK is constexpr
     # False); any valid tensor fills the argument slots.
-    mr_codes = exp_avg_residual_codes if error_feedback else exp_avg_codes
-    mr_scales = exp_avg_residual_scales if error_feedback else exp_avg_scales
-    vr_codes = exp_avg_sq_residual_codes if error_feedback else exp_avg_codes
-    vr_scales = exp_avg_sq_residual_scales if error_feedback else exp_avg_scales
+    residuals = tensors[6:] if error_feedback else (tensors[2], tensors[3]) * 2
     n_blocks = triton.cdiv(n, block_size)
     rows = max(1, _TILE_VALUES // block_size)
     grid = (triton.cdiv(n_blocks, rows),)
-    s = scalars
     _adamw8bit_step_kernel[grid](
-        param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
-        mr_codes, mr_scales, vr_codes, vr_scales, *tables,
-        n, n_blocks, s["decay"], s["beta1"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
-        s["step_size"], s["bias_correction2_sqrt"], s["sq_floor"], s["eps"],
+        *tensors[:6], *residuals, *tables, n, n_blocks, *scalars,
         BLOCK=block_size, ROWS=rows, ERROR_FEEDBACK=error_feedback,
         LOOKUP_SHIFT=lookup[0], LOOKUP_BASE=lookup[1], LOOKUP_BUCKETS=lookup[2],
         num_warps=8 if rows * block_size >= 2048 else 4,
-        enable_fp_fusion=False,  # no fused multiply-adds: the twin rounds every product and sum
+        enable_fp_fusion=False,  # no fused multiply-adds: the torch step rounds every product and sum
     )  # fmt: skip

@@ -295,7 +295,7 @@ def quantize_blockwise_triton(
     num_blocks, rows, grid = _launch_shape(numel, block_size)
     codes = torch.empty(packed_numel(numel, bits), dtype=code_dtype(scheme, bits), device=x.device)
     scales_given = scales is not None
-    if not scales_given:
+    if scales is None:
         scales = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
         zero_points = torch.empty_like(scales) if scheme == "asymmetric" else None
     if num_blocks:

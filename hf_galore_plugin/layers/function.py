@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 __all__ = ["DequantizedBaseLinear", "galore_linear"]
 
@@ -36,7 +37,10 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
     key = (like.device, like.dtype)
     zero = _ZEROS.get(key)
     if zero is None:
-        zero = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
+        # Always a real tensor, even when the first call runs under a fake-tensor mode (the memory planner's
+        # trace): a cached fake zero would turn every later real result fake.
+        with unset_fake_temporarily():
+            zero = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
     return zero
 
 

@@ -26,26 +26,20 @@ from __future__ import annotations
 
 import struct
 import warnings
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
-from ..engines.collectives import full_tensor as _full_tensor
-from ..engines.collectives import is_dtensor as _is_dtensor
+from ..engines.collectives import from_local, full_tensor, is_dtensor, local_shard, same_layout, shard_like
 from ..projection import resolve_sides
 from . import refresh as _refresh_mod
 from . import schedule as _schedule
 from .function import galore_linear
 from .schedule import StepClock
 from .storage import StoredTensor
-
-try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # torch built without distributed support
-    DTensor = None
 
 __all__ = ["GaLoreLinear"]
 
@@ -114,6 +108,21 @@ class GaLoreLinear(nn.Module):
     device anyway) and warns when they differ.
     """
 
+    # The buffers and parameters the class registers, for type checkers (nn.Module's attribute lookup
+    # types them as Tensor | Module).
+    galore_factor: nn.Parameter
+    bias: Optional[nn.Parameter]
+    base_multiplier: torch.Tensor
+    galore_step: torch.Tensor
+    galore_last_refresh: torch.Tensor
+    galore_num_refreshes: torch.Tensor
+    galore_gap: torch.Tensor
+    galore_agree_count: torch.Tensor
+    galore_last_similarity: torch.Tensor
+    galore_seed: torch.Tensor
+    galore_rng_counter: torch.Tensor
+    galore_phase: torch.Tensor
+
     def __init__(self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0) -> None:
         super().__init__()
         if not isinstance(base, nn.Linear):
@@ -121,11 +130,12 @@ class GaLoreLinear(nn.Module):
         weight = base.weight
         if not weight.is_floating_point():
             raise TypeError(f"GaLoreLinear needs a floating-point weight, got {weight.dtype}")
-        if getattr(weight, "ds_numel", weight.numel()) != weight.numel():
+        partitioned_numel = getattr(weight, "ds_numel", weight.numel())
+        if partitioned_numel != weight.numel():
             # DeepSpeed ZeRO-3 zero.Init (from_pretrained under a stage-3 config) left only this rank's
             # partition here; copying it would silently lose the rest of W0.
             raise RuntimeError(
-                f"GaLoreLinear: the weight ({weight.ds_numel} values) is partitioned by DeepSpeed ZeRO-3 "
+                f"GaLoreLinear: the weight ({partitioned_numel} values) is partitioned by DeepSpeed ZeRO-3 "
                 "(zero.Init); replace layers before partitioning, or inside "
                 "deepspeed.zero.GatheredParameters(module.parameters(), modifier_rank=0)"
             )
@@ -141,8 +151,8 @@ class GaLoreLinear(nn.Module):
         self.right_rank = min(config.rank, n) if has_right else None
         self.left_identity = has_left and config.rank >= m
         self.right_identity = has_right and config.rank >= n
-        factor_rows = self.left_rank if has_left else m
-        factor_cols = self.right_rank if has_right else n
+        factor_rows = self.left_rank if self.left_rank is not None else m
+        factor_cols = self.right_rank if self.right_rank is not None else n
         device = weight.device
 
         self.galore_factor = nn.Parameter(torch.zeros(factor_rows, factor_cols, device=device, dtype=weight.dtype))
@@ -364,11 +374,8 @@ class GaLoreLinear(nn.Module):
         without :meth:`sync_counters`, and say so (decisions since that write used the old values)."""
         before = {name: self.counter(name) for name in COUNTER_NAMES}
         self.sync_counters()
-        changed = [
-            f"{name} {before[name]} -> {self.counter(name)}"
-            for name in COUNTER_NAMES
-            if before[name] != self.counter(name)
-        ]
+        after = {name: self.counter(name) for name in COUNTER_NAMES}
+        changed = [f"{name} {before[name]} -> {after[name]}" for name in COUNTER_NAMES if before[name] != after[name]]
         if changed:
             warnings.warn(
                 f"GaLore layer {self.out_features}x{self.in_features}: counter buffers were written without "
@@ -389,6 +396,7 @@ class GaLoreLinear(nn.Module):
         """Quantize `value` into W0's buffers; stochastically rounded (config.stochastic_rounding) once the
         layer has its random stream, i.e. for every W0 but the one it was built from."""
         stochastic = self.config.stochastic_rounding and hasattr(self, "galore_seed")
+        assert self._weight_store is not None, "W0 is a plain parameter: assign it, there is nothing to quantize"
         self._weight_store.store(value, generator=self._next_generator(value.device) if stochastic else None)
 
     def base_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -422,7 +430,7 @@ class GaLoreLinear(nn.Module):
         """
         self._check_factor_layout()
         p, q = self.basis("left", dtype), self.basis("right", dtype)
-        delta = _full_tensor(self.galore_factor.detach()).to(dtype)
+        delta = full_tensor(self.galore_factor.detach()).to(dtype)
         if q is None and p is None:
             return delta * self.config.scale
         if q is not None:
@@ -432,27 +440,20 @@ class GaLoreLinear(nn.Module):
         # In place on the product (a fresh m x n tensor): one full-size temporary fewer when folding.
         return delta.mul_(self.config.scale)
 
-    def _local_lowrank_delta(self, like: "DTensor") -> torch.Tensor:
-        """This rank's part of the low-rank delta, for a W0 sharded as `like` (FSDP2: Shard(0) rows)."""
+    def _local_lowrank_delta(self, like: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the low-rank delta, for a W0 sharded as the DTensor `like` (FSDP2: Shard(0) rows)."""
         factor = self.galore_factor.detach()
-        row_local = (
-            (self.left_rank is None or self.left_identity)
-            and _is_dtensor(factor)
-            and factor.device_mesh == like.device_mesh
-            and tuple(factor.placements) == tuple(like.placements)
-        )
-        if row_local:
+        if (self.left_rank is None or self.left_identity) and same_layout(factor, like):
             # B (m x r) and W0 (m x n) share their rows and are cut the same way: the right-basis fold
             # W0 += scale * B Q^T is local to each shard and needs no communication.
-            delta = factor.to_local().to(torch.float32)
+            delta = local_shard(factor).to(torch.float32)
             q = self.basis("right", torch.float32)
             if q is not None:
                 delta = delta @ q.mT
             return delta * self.config.scale
         # A left basis mixes all rows of B into each row of W0: gather B (small), form the delta, keep
-        # this rank's rows (src_data_rank=None splits locally, without communication).
-        full = self.lowrank_delta(torch.float32)
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+        # this rank's rows (cut locally, without communication).
+        return local_shard(shard_like(like, self.lowrank_delta(torch.float32)))
 
     def effective_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """alpha * W0 + scale * lowrank(B): the weight the layer computes with, in fp32 by default.
@@ -461,17 +462,15 @@ class GaLoreLinear(nn.Module):
         gathers it); otherwise a full tensor (gathering a sharded factor: every rank must call it).
         """
         dtype = dtype or torch.float32
-        if _is_dtensor(self.weight):
-            w = self.weight
-            local = w.to_local().to(torch.float32) * self._alpha + self._local_lowrank_delta(w)
-            return DTensor.from_local(
-                local.to(dtype), w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
-            )
+        w = self.weight
+        if w is not None and is_dtensor(w):
+            local = local_shard(w).to(torch.float32) * self._alpha + self._local_lowrank_delta(w)
+            return from_local(local.to(dtype), w)
         # A fresh tensor (the product), so the delta is added in place: the same sum, one m x n fp32
         # temporary fewer at a refresh's fold (the peak of a refresh step with a quantized W0).
-        w = self.base_weight(torch.float32) * self._alpha
-        w.add_(self.lowrank_delta(torch.float32))
-        return w.to(dtype)
+        base = self.base_weight(torch.float32) * self._alpha
+        base.add_(self.lowrank_delta(torch.float32))
+        return base.to(dtype)
 
     def _check_factor_layout(self) -> None:
         expected = (self.left_rank or self.out_features, self.right_rank or self.in_features)
@@ -557,12 +556,48 @@ class GaLoreLinear(nn.Module):
         # A Python bool, read in every forward (a compiled forward guards on it, not on the step count): the
         # layer re-evaluates it when its own clock ticks; a model's step driver invalidates it on the steps
         # where a layer of the model may change between due and not due (api.after_step).
-        self._refresh_due_cache = _schedule.compute_refresh_due(self)
+        self._refresh_due_cache = _schedule.refresh_due(self.counters(), self.schedule)
 
     def next_refresh_step(self) -> Optional[int]:
         """The first value of ``galore_step``, from the current one on, at which the layer is due (None:
         never, it has no basis); :func:`~.schedule.next_refresh_step`."""
-        return _schedule.next_refresh_step(self)
+        return _schedule.next_refresh_step(self.counters(), self.schedule)
+
+    def counters(self) -> _schedule.Counters:
+        """The refresh rule's counters now (host copies: no device sync)."""
+        counts = self._counts
+        return _schedule.Counters(
+            step=self.counter("galore_step"),
+            last_refresh=counts["galore_last_refresh"],
+            num_refreshes=counts["galore_num_refreshes"],
+            gap=counts["galore_gap"],
+            phase=counts["galore_phase"],
+        )
+
+    @property
+    def schedule(self) -> _schedule.Schedule:
+        """The refresh rule's fixed settings of this layer (from its config and sides)."""
+        config = self.config
+        return _schedule.Schedule(
+            staggered=config.refresh_schedule == "staggered", period=config.update_proj_gap, needs_basis=self.needs_basis
+        )
+
+    def set_refresh_phase(self, phase: int, *, gap: Optional[int] = None) -> None:
+        """Set the step (modulo ``update_proj_gap``) at which the layer refreshes under
+        ``refresh_schedule='staggered'`` and, given `gap`, its current refresh gap; ``refresh_due`` follows.
+
+        The hook for whatever assigns phases: :func:`~.schedule.assign_refresh_phases` at preparation and
+        on a resume with other settings, and the memory planner, which stages which layers refresh on its
+        traced steps. Host copies and buffers are written together (no device sync)."""
+        if phase < 0:
+            raise ValueError(f"refresh phase must be >= 0, got {phase}")
+        if gap is not None and gap < 1:
+            raise ValueError(f"refresh gap must be >= 1, got {gap}")
+        self._set_counter("galore_phase", phase)
+        self._phase = phase
+        if gap is not None:
+            self._set_counter("galore_gap", gap)
+        self._update_refresh_due()
 
     def _basis_sides(self) -> list[tuple[str, int]]:
         """(side, rank) of every side with a computed (non-identity) basis."""
@@ -665,3 +700,9 @@ class GaLoreLinear(nn.Module):
 
 
 # Keeps the sketch's test-matrix seeds apart from the counter-driven seeds of _next_generator.
+
+
+if TYPE_CHECKING:  # mypy checks that the layer is what the refresh functions it binds expect
+
+    def _refresh_target(layer: GaLoreLinear) -> _refresh_mod.RefreshTarget:
+        return layer

@@ -7,14 +7,15 @@ compute the new bases (:mod:`hf_galore_plugin.projection`), fold the factor B in
 adapt the lazy gap (Q-GaLore) and reset or transport the factor's Adam moments through the engine
 contract (:mod:`hf_galore_plugin.engines.contract`). The effective weight is unchanged by a refresh.
 
-The functions take the layer (a :class:`~hf_galore_plugin.layers.GaLoreLinear`); the layer binds the
-private ones as its methods.
+The functions take the layer as a :class:`RefreshTarget`: the protocol lists everything a refresh reads
+and writes, and :class:`~hf_galore_plugin.layers.GaLoreLinear` (which binds the public functions as its
+methods) is checked against it by mypy.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -27,9 +28,11 @@ from ..engines.contract import gathered_parameters, param_changed
 from ..engines.contract import reset_state as _reset_state
 from ..engines.contract import transform_state as _transform_state
 from ..projection import BasisError, basis_from_sketch, compute_basis, subspace_similarity, transport_matrix
+from ..config import GaLoreConfig
 from .storage import stochastic_round_to_bf16
 
 __all__ = [
+    "RefreshTarget",
     "fold_factor_into_base",
     "record_gradient",
     "refresh",
@@ -38,12 +41,62 @@ __all__ = [
     "sketch_test_matrix",
 ]
 
+class RefreshTarget(Protocol):
+    """What the refresh reads and writes of a layer (a :class:`~hf_galore_plugin.layers.GaLoreLinear`)."""
+
+    _pending_grad: Optional[torch.Tensor | dict[str, torch.Tensor]]
+
+    @property
+    def config(self) -> GaLoreConfig: ...
+    @property
+    def in_features(self) -> int: ...
+    @property
+    def out_features(self) -> int: ...
+    @property
+    def left_rank(self) -> Optional[int]: ...
+    @property
+    def right_rank(self) -> Optional[int]: ...
+    @property
+    def left_identity(self) -> bool: ...
+    @property
+    def right_identity(self) -> bool: ...
+    @property
+    def needs_basis(self) -> bool: ...
+    @property
+    def calibrated(self) -> bool: ...
+    @property
+    def galore_factor(self) -> torch.nn.Parameter: ...
+    @property
+    def weight(self) -> Optional[torch.nn.Parameter]: ...
+    @property
+    def galore_step(self) -> torch.Tensor: ...
+    @property
+    def galore_last_similarity(self) -> torch.Tensor: ...
+
+    def counter(self, name: str) -> int: ...
+    def _set_counter(self, name: str, value: int) -> None: ...
+    def _add_counter(self, name: str, delta: int = 1) -> None: ...
+    def _adopt_counter_writes(self) -> None: ...
+    def _update_refresh_due(self) -> None: ...
+    def _basis_sides(self) -> list[tuple[str, int]]: ...
+    def _sketch_width(self, rank: int) -> int: ...
+    def _next_generator(self, device: torch.device) -> torch.Generator: ...
+    def basis(self, side: str, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]: ...
+    def _set_basis(self, side: str, value: torch.Tensor) -> None: ...
+    def effective_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor: ...
+    def _store_weight(self, value: torch.Tensor) -> None: ...
+    def _reset_base(self) -> None: ...
+    def refresh_record_nbytes(self) -> int: ...
+    def sketch_test_matrix(self, side: str, device: Optional[torch.device] = None) -> torch.Tensor: ...
+    def sketch_exchange_numel(self) -> int: ...
+
+
 # Keeps the sketch's test-matrix seeds apart from the counter-driven seeds of the layer's _next_generator.
 _SKETCH_STREAM = 0x5EED_5EED_0000_0000
 
 
 # ---------------------------------------------------------------------- what a refresh step records
-def refresh_record_nbytes(layer: Any) -> int:
+def refresh_record_nbytes(layer: RefreshTarget) -> int:
     """Bytes a refresh of this layer holds from its backward to the refresh: the fp32 gradient (m x n),
     or with basis_method='sketch' one fp32 sketch per basis side (that side's dimension x k)."""
     if not layer.needs_basis:
@@ -54,7 +107,7 @@ def refresh_record_nbytes(layer: Any) -> int:
     return sum(4 * dims[side] * layer._sketch_width(rank) for side, rank in layer._basis_sides())
 
 
-def sketch_test_matrix(layer: Any, side: str, device: Optional[torch.device] = None) -> torch.Tensor:
+def sketch_test_matrix(layer: RefreshTarget, side: str, device: Optional[torch.device] = None) -> torch.Tensor:
     """The Gaussian test matrix Omega of the current step's sketch of `side` (fp32).
 
     'left' (basis P, m x r): Omega is n x k and the sketch G Omega = dy^T (x Omega) spans G's columns;
@@ -73,7 +126,7 @@ def sketch_test_matrix(layer: Any, side: str, device: Optional[torch.device] = N
     return torch.randn(dim, layer._sketch_width(rank), generator=generator, device=device, dtype=torch.float32)
 
 
-def record_gradient(layer: Any, dy: torch.Tensor, x: torch.Tensor) -> None:
+def record_gradient(layer: RefreshTarget, dy: torch.Tensor, x: torch.Tensor) -> None:
     """Add this micro-batch's gradient (dy: N x m, x: N x n) to the layer's refresh record.
 
     Accumulates over micro-batches (gradient accumulation, or several forwards in one step).
@@ -82,18 +135,21 @@ def record_gradient(layer: Any, dy: torch.Tensor, x: torch.Tensor) -> None:
         _record_sketch(layer, dy, x)
         return
     g = dy.to(torch.float32).mT @ x.to(torch.float32)
-    if layer._pending_grad is None:
+    record = layer._pending_grad
+    if record is None:
         layer._pending_grad = g
     else:
-        layer._pending_grad += g
+        assert isinstance(record, torch.Tensor), "a dense record is one tensor"
+        record += g
 
 
-def _record_sketch(layer: Any, dy: torch.Tensor, x: torch.Tensor) -> None:
+def _record_sketch(layer: RefreshTarget, dy: torch.Tensor, x: torch.Tensor) -> None:
     # Y = G Omega (left) or G^T Omega (right) with G = dy^T x, evaluated so that no m x n tensor is
     # formed: N x k and k x dim temporaries only. Linear in G, so the sum over micro-batches is the
     # sketch of the step's gradient, and the mean over ranks the sketch of the averaged gradient.
     dy32, x32 = dy.to(torch.float32), x.to(torch.float32)
     record = layer._pending_grad if layer._pending_grad is not None else {}
+    assert isinstance(record, dict), "a sketch record holds one sketch per basis side"
     for side, _ in layer._basis_sides():
         omega = layer.sketch_test_matrix(side, dy.device)
         sketch = dy32.mT @ (x32 @ omega) if side == "left" else x32.mT @ (dy32 @ omega)
@@ -104,7 +160,7 @@ def _record_sketch(layer: Any, dy: torch.Tensor, x: torch.Tensor) -> None:
     layer._pending_grad = record
 
 
-def sketch_exchange_numel(layer: Any) -> int:
+def sketch_exchange_numel(layer: RefreshTarget) -> int:
     """Values a data-parallel refresh all-reduces with the randomized range finder's sketches (with
     basis_method='sketch': the streaming sketches themselves)."""
     m, n = layer.out_features, layer.in_features
@@ -119,7 +175,7 @@ def sketch_exchange_numel(layer: Any) -> int:
 
 
 # ---------------------------------------------------------------------- the refresh
-def refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
+def refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
     """Fold the factor into W0, compute the new basis from the recorded gradient, adapt the gap.
 
     `optimizer` may be an engine adapter (hf_galore_plugin.engines.contract.EngineAdapter) that also
@@ -130,14 +186,14 @@ def refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer] = None) -> Op
     # the counter buffers with their host copies costs nothing extra.
     layer._adopt_counter_writes()
     try:
-        with gathered_parameters(optimizer, layer):
+        with gathered_parameters(optimizer, layer):  # type: ignore[arg-type]  # the layer is an nn.Module
             return _refresh(layer, optimizer)
     finally:
         layer._update_refresh_due()
 
 
 @torch.no_grad()
-def _refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
+def _refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
     grad = layer._pending_grad
     layer._pending_grad = None
     if grad is None:
@@ -188,24 +244,30 @@ def _refresh(layer: Any, optimizer: Optional[torch.optim.Optimizer]) -> Optional
     return _install_bases(layer, new_bases, optimizer)
 
 
-def _basis_failed(layer: Any, exc: BasisError) -> None:
+def _basis_failed(layer: RefreshTarget, exc: BasisError) -> None:
     # Never stop training for a bad basis: keep the old one, try again after one more gap.
     warnings.warn(f"GaLore basis refresh failed ({exc}); keeping the previous basis", stacklevel=4)
     layer._set_counter("galore_last_refresh", layer.counter("galore_step"))
 
 
-def _install_bases(layer: Any, new_bases: dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> float:
+def _basis(layer: RefreshTarget, side: str) -> torch.Tensor:
+    basis = layer.basis(side, torch.float32)
+    assert basis is not None, f"the {side} side of this layer has a basis"
+    return basis
+
+
+def _install_bases(layer: RefreshTarget, new_bases: dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> float:
     """Fold the factor into W0, swap in `new_bases`, adapt the lazy gap and the optimizer state."""
     first = not layer.calibrated
-    old_bases = {side: layer.basis(side, torch.float32).clone() for side in new_bases}
+    old_bases = {side: _basis(layer, side).clone() for side in new_bases}
     fold_factor_into_base(layer, optimizer)
     for side, basis in new_bases.items():
         layer._set_basis(side, basis)
-    stored = {side: layer.basis(side, torch.float32) for side in new_bases}
+    stored = {side: _basis(layer, side) for side in new_bases}
 
     similarity = float("nan")
     if not first:
-        similarity = sum(subspace_similarity(old_bases[s], stored[s]) for s in stored) / len(stored)
+        similarity = sum(float(subspace_similarity(old_bases[s], stored[s])) for s in stored) / len(stored)
         _update_lazy_gap(layer, similarity)
     layer.galore_last_similarity.fill_(similarity)
     if optimizer is not None:
@@ -218,7 +280,7 @@ def _install_bases(layer: Any, new_bases: dict[str, torch.Tensor], optimizer: Op
     return similarity
 
 
-def fold_factor_into_base(layer: Any, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+def fold_factor_into_base(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """W0 <- alpha * W0 + scale * lowrank(B), alpha <- 1, B <- 0: the effective weight is unchanged."""
     merged = layer.effective_weight(torch.float32)
     weight = layer.weight
@@ -237,7 +299,7 @@ def fold_factor_into_base(layer: Any, optimizer: Optional[torch.optim.Optimizer]
     param_changed(optimizer, layer.galore_factor)
 
 
-def _update_lazy_gap(layer: Any, similarity: float) -> None:
+def _update_lazy_gap(layer: RefreshTarget, similarity: float) -> None:
     # Q-GaLore (Zhang et al. 2024, Sec. 3.3): layers whose subspace stopped moving refresh less often.
     config = layer.config
     if not config.lazy_refresh:
@@ -252,7 +314,7 @@ def _update_lazy_gap(layer: Any, similarity: float) -> None:
         layer._set_counter("galore_agree_count", 0)
 
 
-def _transport_moments(layer: Any, optimizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+def _transport_moments(layer: RefreshTarget, optimizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
     # First moment: exact change of coordinates (it is a linear function of past projected
     # gradients). Second moment: no exact transport exists for an elementwise statistic; mapping it
     # with the squared transport matrix keeps it non-negative and exact for permutations/sign flips.

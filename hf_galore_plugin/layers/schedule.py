@@ -5,22 +5,26 @@ Under ``refresh_schedule='aligned'`` every layer refreshes at its calibration st
 at steps == phase (mod update_proj_gap); :func:`assign_refresh_phases` packs the layers' refresh records
 into phases so that one step holds at most the budget (README "Options", Refresh memory).
 
-The functions take the layer (a :class:`~hf_galore_plugin.layers.GaLoreLinear`) and read its counters
-(their host copies, ``layer.counter(name)``: no device sync) and its ``refresh_record_nbytes()``; none runs
-inside a training step's forward or backward.
+The rule is two pure functions of a :class:`Counters` snapshot and a layer's fixed :class:`Schedule`
+(testable without a layer); the phase assignment takes the layers (their ``refresh_record_nbytes()`` and
+:meth:`~hf_galore_plugin.layers.GaLoreLinear.set_refresh_phase`). None of it runs inside a training step's
+forward or backward.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = [
+    "Counters",
+    "Schedule",
     "StepClock",
     "assign_refresh_phases",
-    "compute_refresh_due",
     "next_refresh_step",
     "pack_refresh_phases",
+    "refresh_due",
     "refresh_phase_capacity",
 ]
 
@@ -44,47 +48,59 @@ class StepClock:
         self.edits = 0
 
 
-def compute_refresh_due(layer: Any) -> bool:
-    """Whether the layer's current step must record its gradient for a new basis (reads its counters)."""
-    if not layer.needs_basis:
+@dataclass(frozen=True)
+class Schedule:
+    """What the refresh rule reads besides the counters; fixed for a layer (from its config and shape)."""
+
+    staggered: bool  # refresh_schedule == "staggered"
+    period: int  # update_proj_gap: the staggered phases repeat with it
+    needs_basis: bool  # False for a layer whose every side is the identity (nothing to refresh)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The counters the refresh rule reads, as their host copies hold them now (``GaLoreLinear.counters()``)."""
+
+    step: int  # galore_step
+    last_refresh: int  # galore_last_refresh (-1: never)
+    num_refreshes: int  # galore_num_refreshes (0: not calibrated yet)
+    gap: int  # galore_gap: the lazy gap, a multiple of period under staggered
+    phase: int  # galore_phase (0 under aligned)
+
+
+def refresh_due(counters: Counters, schedule: Schedule) -> bool:
+    """Whether the step `counters.step` must record the layer's gradient for a new basis.
+
+    Aligned: calibrate at the first step, then refresh whenever the (lazy) gap has passed. Staggered (README
+    "Options", Refresh memory): calibrate at step == phase (or the first step after it that reaches the
+    layer), then refresh only at steps == phase (mod period) at least the gap after the last refresh. Phases
+    come from :func:`assign_refresh_phases`, which packs the layers so that one phase's records fit the
+    budget: holding to the phase keeps every step within it (a lazily grown gap, or one clipped to a
+    max_proj_gap that is no multiple of the gap, waits for the next step of its phase). With every phase 0
+    the staggered rule is the aligned one."""
+    if not schedule.needs_basis:
         return False
-    if layer.config.refresh_schedule == "staggered":
-        return _staggered_refresh_due(layer)
-    if not layer.calibrated:
-        return True
-    return layer.counter("galore_step") - layer.counter("galore_last_refresh") >= layer.counter("galore_gap")
+    step = counters.step
+    if counters.num_refreshes == 0:
+        return step >= counters.phase if schedule.staggered else True
+    if schedule.staggered and (step - counters.phase) % schedule.period != 0:
+        return False
+    return step - counters.last_refresh >= counters.gap
 
 
-def next_refresh_step(layer: Any) -> Optional[int]:
-    """The first ``galore_step`` from the current one on at which :func:`compute_refresh_due` holds, if the
-    counters other than the step do not change until then (None: never). The step driver skips every
-    layer until the earliest of these (tests/test_layer_counters.py checks it against the rule step by step)."""
-    if not layer.needs_basis:
+def next_refresh_step(counters: Counters, schedule: Schedule) -> Optional[int]:
+    """The first step from `counters.step` on at which :func:`refresh_due` holds if only the step advances
+    (None: never). The step driver skips a model's layers until the earliest of these (tests check it
+    against the rule step by step)."""
+    if not schedule.needs_basis:
         return None
-    step = layer.counter("galore_step")
-    staggered = layer.config.refresh_schedule == "staggered"
-    if not layer.calibrated:
-        return max(step, layer.counter("galore_phase")) if staggered else step
-    first = max(step, layer.counter("galore_last_refresh") + layer.counter("galore_gap"))
-    if not staggered:
+    step = counters.step
+    if counters.num_refreshes == 0:
+        return max(step, counters.phase) if schedule.staggered else step
+    first = max(step, counters.last_refresh + counters.gap)
+    if not schedule.staggered:
         return first
-    period = layer.config.update_proj_gap
-    return first + (layer.counter("galore_phase") - first) % period
-
-
-def _staggered_refresh_due(layer: Any) -> bool:
-    # The schedule rule (README "Options", Refresh memory): calibrate at step == phase (or at the first
-    # step after it that reaches the layer), then refresh only at steps == phase (mod update_proj_gap) at
-    # least the layer's (lazy) gap after its last refresh. Phases come from assign_refresh_phases, which packs the
-    # layers so that one phase's records fit the budget: holding to the phase keeps every step within it
-    # (a lazily grown gap, or one clipped to a max_proj_gap that is no multiple of the gap, waits for the
-    # next step of its phase). With every phase 0 this is the aligned schedule.
-    step, phase = layer.counter("galore_step"), layer.counter("galore_phase")
-    if not layer.calibrated:
-        return step >= phase
-    if (step - phase) % layer.config.update_proj_gap != 0:
-        return False
-    return step - layer.counter("galore_last_refresh") >= layer.counter("galore_gap")
+    return first + (counters.phase - first) % schedule.period
 
 
 def refresh_phase_capacity(config, layers: list[Any], costs: list[int]) -> int:
@@ -155,8 +171,7 @@ def assign_refresh_phases(layers: list[Any]) -> list[int]:
     config = layers[0].config
     if config.refresh_schedule != "staggered":
         for layer in layers:
-            layer._set_counter("galore_phase", 0)
-            layer._phase = 0
+            layer.set_refresh_phase(0)
         return [0] * len(layers)
     costs = [layer.refresh_record_nbytes() for layer in layers]
     capacity = refresh_phase_capacity(config, layers, costs)
@@ -173,7 +188,5 @@ def assign_refresh_phases(layers: list[Any]) -> list[int]:
             stacklevel=2,
         )
     for layer, phase in zip(layers, phase_of):
-        layer._set_counter("galore_phase", phase)
-        layer._phase = phase
-        layer._update_refresh_due()  # from the host copies: no buffer read (the meta device has none)
+        layer.set_refresh_phase(phase)
     return phase_of

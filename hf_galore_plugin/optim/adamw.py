@@ -22,8 +22,8 @@ multiple of 64 values, and for every value the same as if its tensor were cut an
 `_FUSED_ALIGN`); any other fp32
 state (bf16/fp16 parameters, non-contiguous or non-CPU tensors) steps in `adamw_step_fp32`, torch's
 single-tensor op sequence. The two differ by fp32 rounding only (a few ulps after 100 steps,
-tests/test_optim.py). 8-bit state steps in `optim.adamw8bit` (Triton on CUDA,
-the compiled torch twin on the CPU).
+tests/test_optim.py). 8-bit state steps in `optim.adamw8bit` (Triton on CUDA; on the CPU the C++ step
+where it is built, else the torch step).
 Tensors with fewer than `min_8bit_numel` values keep fp32 state even when state_bits=8, as
 bitsandbytes does (its default threshold is 4096): for biases and norms the 8-bit saving is a
 few KB while their scales would cost up to 4 B per block.
@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from hf_galore_plugin.optim.adamw8bit import dequantize_moment, quantize_moment
+from hf_galore_plugin.engines.collectives import from_local, is_dtensor, local_shard, one_row_per_shard
+from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, dequantize_moment, quantize_moment
 from hf_galore_plugin.optim.functional import (
     EIGHT_BIT_STATE_KEYS,
     RESIDUAL_STATE_KEYS,
@@ -62,24 +63,10 @@ from hf_galore_plugin.optim.offload import (
     state_slices,
 )
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch built without distributed support
-    DTensor = None
-
 __all__ = ["AdamW"]
 
 _MIN_BLOCK, _MAX_BLOCK = 16, 4096
 _FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_")
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this process updates: a DTensor's local shard, any other tensor itself."""
-    return t.to_local() if _is_dtensor(t) else t
 
 
 def _fused_enabled() -> bool:
@@ -180,7 +167,7 @@ def _place(value: torch.Tensor, param: torch.Tensor, offload: bool) -> torch.Ten
     """A loaded state tensor where this optimizer keeps it: on the host (contiguous, pinned when
     CUDA is available) when offloaded, else on the parameter's device."""
     if not offload:
-        return value.to(device=_local(param).device)
+        return value.to(device=local_shard(param).device)
     with host_allocation():
         return host_copy(value.contiguous())
 
@@ -240,27 +227,14 @@ def _validate_group(group: dict[str, Any]) -> None:
 def _block_scales(param: torch.Tensor, block_size: int, device: str | None = None) -> torch.Tensor:
     """Zeroed fp32 block scales for `param`'s local values (a sharded DTensor for a DTensor param),
     on `device` (default: the parameter's)."""
-    local = _local(param)
-    if not _is_dtensor(param):
+    local = local_shard(param)
+    if not is_dtensor(param):
         return torch.zeros(math.ceil(local.numel() / block_size), dtype=torch.float32, device=device or local.device)
-    # Every rank must hold the same local scale shape, so size it for the largest shard:
-    # torch.chunk-style sharding gives the first rank ceil(dim / mesh_size) rows.
-    mesh, largest_shape, n_shards, placements = param.device_mesh, list(param.shape), 1, []
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            size = mesh.size(mesh_dim)
-            largest_shape[placement.dim] = math.ceil(largest_shape[placement.dim] / size)
-            n_shards *= size
-            placements.append(Shard(0))
-        elif isinstance(placement, Replicate):
-            placements.append(Replicate())
-        else:
-            raise NotImplementedError(f"AdamW 8-bit state: DTensor placement {placement} is not supported.")
+    # Every rank must hold the same local scale shape, so size it for the largest shard.
+    n_shards, largest_shape, placements = one_row_per_shard(param)
     max_blocks = math.ceil(math.prod(largest_shape) / block_size)
     zeros = torch.zeros(1, max_blocks, dtype=torch.float32, device=local.device)
-    return DTensor.from_local(
-        zeros, mesh, placements, run_check=False, shape=torch.Size((n_shards, max_blocks)), stride=(max_blocks, 1)
-    )
+    return from_local(zeros, param, placements, shape=torch.Size((n_shards, max_blocks)), stride=(max_blocks, 1))
 
 
 class AdamW(torch.optim.Optimizer):
@@ -336,7 +310,7 @@ class AdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _validate_group(group)
-        if group["state_offload"] == "cpu" and any(_is_dtensor(p) for p in group["params"]):
+        if group["state_offload"] == "cpu" and any(is_dtensor(p) for p in group["params"]):
             _refuse_dtensor_offload()
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -389,26 +363,27 @@ class AdamW(torch.optim.Optimizer):
         """The zeroed moment tensors (and 8-bit block size) of a new state: on the host when offloaded."""
         state: dict[str, Any] = {}
         offload = group["state_offload"] == "cpu"
-        if offload and _is_dtensor(param):  # parameters swapped for DTensors after construction
+        if offload and is_dtensor(param):  # parameters swapped for DTensors after construction
             _refuse_dtensor_offload()
         # Offloaded state is created on the host directly: the device never holds a whole state tensor.
-        where = {"device": "cpu"} if offload else {}
+        device = "cpu" if offload else None  # None: the parameter's
         # The global numel decides, so every rank of a DTensor picks the same state format.
         if group["state_bits"] == 32 or param.numel() < group["min_8bit_numel"]:
             for key in ("exp_avg", "exp_avg_sq"):
                 # Offloaded moments are contiguous: chunks are ranges of the flattened values.
                 layout = torch.contiguous_format if offload else torch.preserve_format
-                state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=layout, **where)
+                state[key] = torch.zeros_like(param, dtype=torch.float32, memory_format=layout, device=device)
         else:
             block_size = group["block_size"]
             state["block_size"] = block_size
             residuals = RESIDUAL_STATE_KEYS if group["error_feedback"] else ()
             for key in EIGHT_BIT_STATE_KEYS + residuals:
                 if key.endswith("scales"):
-                    state[key] = _block_scales(param, block_size, **where)
+                    state[key] = _block_scales(param, block_size, device)
                 else:
                     dtype = torch.uint8 if key == "exp_avg_sq_codes" else torch.int8
-                    state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format, **where)
+                    layout = torch.contiguous_format
+                    state[key] = torch.zeros_like(param, dtype=dtype, memory_format=layout, device=device)
         if offload:
             state = {key: host_copy(v) if isinstance(v, torch.Tensor) else v for key, v in state.items()}
         return state
@@ -433,7 +408,7 @@ class AdamW(torch.optim.Optimizer):
                 grad = param.grad
                 if grad is None:
                     continue
-                local, grad = _local(param), _local(grad)
+                local, grad = local_shard(param), local_shard(grad)
                 if grad.is_sparse or torch.is_complex(local):
                     raise RuntimeError("hf_galore_plugin AdamW supports dense real tensors only.")
                 # Empty shards (FSDP1 / FSDP2 ranks past the last row) still get state and a step
@@ -448,7 +423,7 @@ class AdamW(torch.optim.Optimizer):
                     streamed.setdefault(local.device, []).extend(chunks)
                     continue
                 if "exp_avg" in state:
-                    exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                    exp_avg, exp_avg_sq = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
                     if fused_enabled and _fusable(local, grad, exp_avg, exp_avg_sq):
                         batch = fused.get(local.device) or fused.setdefault(local.device, _FusedBatch())
                         batch.add((local, grad, exp_avg, exp_avg_sq), state["step"], step)
@@ -461,12 +436,13 @@ class AdamW(torch.optim.Optimizer):
                 )
                 params.append(local)
                 grads.append(grad)
-                states.append(state if local is param else {k: _local(v) for k, v in state.items()})
+                states.append(state if local is param else {k: local_shard(v) for k, v in state.items()})
                 steps.append(step)
             if advanced:
                 self._advance_steps(advanced)
             for (_, block_size, _), (params, grads, states, steps) in eight_bit.items():
-                adamw_steps_8bit(params, grads, states, steps, block_size=block_size, **_hyper(group))
+                hyper = AdamW8bitHyper(**_hyper(group), block_size=block_size)
+                adamw_steps_8bit(params, grads, states, steps, hyper=hyper)
             for batch in fused.values():
                 # torch's multi-tensor fused AdamW kernel: one call for every fp32 tensor of the group
                 # (no per-tensor Python).
@@ -499,7 +475,7 @@ class AdamW(torch.optim.Optimizer):
         hyper = _hyper(group, step)
         align = math.lcm(_FUSED_ALIGN, block_size or 1)
         bounds = chunk_bounds(values.numel(), bytes_per_value(state, block_size), self._chunk_bytes, align)
-        chunks = []
+        chunks: list[tuple[dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], None]]] = []
         for start, end in bounds:
             part, part_grad = values[start:end], grads[start:end]
 
@@ -547,7 +523,7 @@ class AdamW(torch.optim.Optimizer):
         for param, saved in saved_states.items():
             # A checkpoint loads with or without offload, whichever way it was written.
             offload = groups[id(param)]["state_offload"] == "cpu"
-            if offload and _is_dtensor(param):
+            if offload and is_dtensor(param):
                 _refuse_dtensor_offload()
             self.state[param] = {
                 key: _place(value, param, offload) if isinstance(value, torch.Tensor) and key != "step" else value
@@ -586,26 +562,26 @@ class AdamW(torch.optim.Optimizer):
         if not state:
             return
         if any(
-            key != "step" and isinstance(v, torch.Tensor) and v.device != _local(param).device
+            key != "step" and isinstance(v, torch.Tensor) and v.device != local_shard(param).device
             for key, v in state.items()
         ):
             # Offloaded state: transformed on the parameter's device (fn may use device tensors such as a
             # basis), one parameter at a time, and written back to the host.
             staged = {
-                key: v.to(_local(param).device) if key != "step" and isinstance(v, torch.Tensor) else v
+                key: v.to(local_shard(param).device) if key != "step" and isinstance(v, torch.Tensor) else v
                 for key, v in state.items()
             }
-            _transform(staged, _local(param).shape, fn)
+            _transform(staged, local_shard(param).shape, fn)
             for key, value in staged.items():
                 if key != "step" and isinstance(value, torch.Tensor):
                     state[key].copy_(value)
             return
-        _transform(state, _local(param).shape, fn)
+        _transform(state, local_shard(param).shape, fn)
 
     def state_nbytes(self) -> int:
         """Bytes of every state tensor this process holds (local shards of DTensors), step counters included."""
         return sum(
-            _local(v).numel() * _local(v).element_size()
+            local_shard(v).numel() * local_shard(v).element_size()
             for state in self.state.values()
             for v in state.values()
             if isinstance(v, torch.Tensor)
@@ -635,7 +611,7 @@ def _transform(
 ) -> None:
     """`AdamW.transform_state` on state tensors that live with the parameter."""
     if "exp_avg" in state:
-        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        exp_avg, exp_avg_sq = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
         new_avg, new_avg_sq = fn(exp_avg.clone(), exp_avg_sq.clone())
         _check_shape(new_avg, new_avg_sq, local_shape)
         exp_avg.copy_(new_avg)
@@ -644,20 +620,20 @@ def _transform(
     block_size = state["block_size"]
     n_blocks = math.ceil(math.prod(local_shape) / block_size)
 
-    def flat(key: str) -> torch.Tensor | None:
-        if key not in state:
-            return None
-        view = _local(state[key]).view(-1)
+    def flat(key: str) -> torch.Tensor:
+        view = local_shard(state[key]).view(-1)
         return view[:n_blocks] if key.endswith("scales") else view
 
     moments = []
     for name in ("exp_avg", "exp_avg_sq"):
-        keys = (f"{name}_codes", f"{name}_scales", f"{name}_residual_codes", f"{name}_residual_scales")
-        moments.append((keys, dequantize_moment(*(flat(k) for k in keys), block_size=block_size)))
-    new_values = fn(*(m.view(local_shape) for _, m in moments))
+        codes, scales = flat(f"{name}_codes"), flat(f"{name}_scales")
+        with_residual = f"{name}_residual_codes" in state
+        residual = (flat(f"{name}_residual_codes"), flat(f"{name}_residual_scales")) if with_residual else None
+        moments.append((codes, scales, residual, dequantize_moment(codes, scales, residual, block_size=block_size)))
+    new_values = fn(*(m[3].view(local_shape) for m in moments))
     _check_shape(*new_values, local_shape)
-    for (keys, _), value in zip(moments, new_values):
-        quantize_moment(value.float().reshape(-1), *(flat(k) for k in keys), block_size=block_size)
+    for (codes, scales, residual, _), value in zip(moments, new_values):
+        quantize_moment(value.float().reshape(-1), codes, scales, residual, block_size=block_size)
 
 
 def _check_shape(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, shape: torch.Size) -> None:

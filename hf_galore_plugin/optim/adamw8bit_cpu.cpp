@@ -1,8 +1,8 @@
-// The 8-bit blockwise AdamW step on the CPU: the torch twin (adamw8bit.py `_step_blocks`) operation
+// The 8-bit blockwise AdamW step on the CPU: the torch step (adamw8bit.py `_step_blocks`) operation
 // for operation, in fp32 with every product and sum rounded separately (built with -ffp-contract=off,
 // no -ffast-math; the AVX2 path uses separate multiply and add instructions, never FMA) and correctly
 // rounded division and sqrt (vdivps/vsqrtps round exactly as the scalar operations), so its results
-// are bit-identical to the twin's.
+// are bit-identical to the torch step's.
 //
 // Speed: each block is handled in three passes over L1-resident buffers so every byte of the state,
 // parameter and gradient is read once and written once per step:
@@ -264,25 +264,24 @@ void step_blocks(const State& t, const Scalars& s, const Book& sb, const Book& u
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-// One step of every tensor of a list (one optimizer group): tensor i's values, gradient and state
-// are the i-th entries of the lists, its scalars row i of `scalars` [T, 9]; the residual lists are
-// empty without error feedback. The blocks of all tensors form one range that the threads split, so a
-// group of many small tensors costs one call and one parallel region, not one of each per tensor.
-void adamw8bit_step_cpu(
-    std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads, std::vector<torch::Tensor> m_codes,
-    std::vector<torch::Tensor> m_scales, std::vector<torch::Tensor> v_codes, std::vector<torch::Tensor> v_scales,
-    std::vector<torch::Tensor> mr_codes, std::vector<torch::Tensor> mr_scales, std::vector<torch::Tensor> vr_codes,
-    std::vector<torch::Tensor> vr_scales, torch::Tensor scalars, torch::Tensor signed_book,
-    torch::Tensor signed_packed, torch::Tensor unsigned_book, torch::Tensor unsigned_packed, int64_t block_size) {
+// One step of every tensor of a list (one optimizer group): `lists` holds the op's ten tensor lists in
+// its argument order (params, grads, then the state lists of adamw8bit.py `STATE_KEYS` and
+// `RESIDUAL_KEYS`; the residual lists empty without error feedback), tensor i's scalars are row i of
+// `scalars` [T, 9]. The blocks of all tensors form one range that the threads split, so a group of many
+// small tensors costs one call and one parallel region, not one of each per tensor.
+void adamw8bit_step_cpu(std::vector<std::vector<torch::Tensor>> lists, torch::Tensor scalars,
+                        torch::Tensor signed_book, torch::Tensor signed_packed, torch::Tensor unsigned_book,
+                        torch::Tensor unsigned_packed, int64_t block_size) {
   using namespace hf_galore_cpu;
-  const size_t count = params.size();
-  const bool ef = !mr_codes.empty();
-  TORCH_CHECK(grads.size() == count && m_codes.size() == count && m_scales.size() == count &&
-                  v_codes.size() == count && v_scales.size() == count,
-              "adamw8bit_step_cpu: every list needs one entry per parameter");
-  TORCH_CHECK(!ef || (mr_codes.size() == count && mr_scales.size() == count && vr_codes.size() == count &&
-                      vr_scales.size() == count),
-              "adamw8bit_step_cpu: the four residual lists are all empty or all one entry per parameter");
+  TORCH_CHECK(lists.size() == 10, "adamw8bit_step_cpu: give the op's ten tensor lists");
+  const size_t count = lists[0].size();
+  const bool ef = !lists[6].empty();
+  for (size_t k = 1; k < 10; ++k)
+    TORCH_CHECK(lists[k].size() == count || (k >= 6 && !ef && lists[k].empty()),
+                "adamw8bit_step_cpu: every list needs one entry per parameter (the four residual lists: all "
+                "empty or all full)");
+  const auto& params = lists[0];
+  const auto& grads = lists[1];
   TORCH_CHECK(scalars.dtype() == torch::kFloat32 && scalars.is_contiguous() && scalars.dim() == 2 &&
                   scalars.size(0) == static_cast<int64_t>(count) && scalars.size(1) == 9,
               "adamw8bit_step_cpu: scalars must be a contiguous fp32 [parameters, 9] tensor");
@@ -296,10 +295,10 @@ void adamw8bit_step_cpu(
     const int64_t n = params[i].numel();
     const float* f = scalars.data_ptr<float>() + 9 * i;
     rows.push_back(Scalars{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8]});
-    states.push_back(State{params[i].data_ptr<float>(), grads[i].data_ptr<float>(), m_codes[i].data_ptr<int8_t>(),
-                           m_scales[i].data_ptr<float>(), v_codes[i].data_ptr<uint8_t>(), v_scales[i].data_ptr<float>(),
-                           ef ? mr_codes[i].data_ptr<int8_t>() : nullptr, ef ? mr_scales[i].data_ptr<float>() : nullptr,
-                           ef ? vr_codes[i].data_ptr<int8_t>() : nullptr, ef ? vr_scales[i].data_ptr<float>() : nullptr});
+    states.push_back(State{params[i].data_ptr<float>(), grads[i].data_ptr<float>(), lists[2][i].data_ptr<int8_t>(),
+                           lists[3][i].data_ptr<float>(), lists[4][i].data_ptr<uint8_t>(), lists[5][i].data_ptr<float>(),
+                           ef ? lists[6][i].data_ptr<int8_t>() : nullptr, ef ? lists[7][i].data_ptr<float>() : nullptr,
+                           ef ? lists[8][i].data_ptr<int8_t>() : nullptr, ef ? lists[9][i].data_ptr<float>() : nullptr});
     sizes.push_back(n);
     first_block.push_back(first_block.back() + (n + block_size - 1) / block_size);
   }

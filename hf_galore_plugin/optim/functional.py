@@ -6,20 +6,16 @@ state of its own; `hf_galore_plugin.optim.AdamW` only creates the state and loop
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_multi
+from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, adamw8bit_step_multi
+from hf_galore_plugin.optim.adamw8bit import RESIDUAL_KEYS as RESIDUAL_STATE_KEYS
+from hf_galore_plugin.optim.adamw8bit import STATE_KEYS as EIGHT_BIT_STATE_KEYS
 
 __all__ = ["adamw_step_fp32", "adamw_step_8bit", "adamw_steps_8bit", "EIGHT_BIT_STATE_KEYS", "RESIDUAL_STATE_KEYS"]
 
-# State keys of an 8-bit parameter, in the argument order of the fused kernel.
-EIGHT_BIT_STATE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
-RESIDUAL_STATE_KEYS = (
-    "exp_avg_residual_codes",
-    "exp_avg_residual_scales",
-    "exp_avg_sq_residual_codes",
-    "exp_avg_sq_residual_scales",
-)
 _KEYS_WITH_RESIDUALS = EIGHT_BIT_STATE_KEYS + RESIDUAL_STATE_KEYS
 
 
@@ -56,26 +52,16 @@ def adamw_step_fp32(
 
 
 def adamw_step_8bit(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict[str, torch.Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    block_size: int,
+    param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], *, step: int, **options: Any
 ) -> None:
     """AdamW with 8-bit blockwise moments (keys `EIGHT_BIT_STATE_KEYS`, plus `RESIDUAL_STATE_KEYS`
     when error feedback is on) in one fused pass over the flattened parameter.
 
-    `state` holds local tensors: codes with the parameter's element count, scales with one fp32
-    per block of `block_size` flattened values.
+    `options`: the fields of `optim.adamw8bit.AdamW8bitHyper` (lr, beta1, beta2, eps, weight_decay,
+    block_size). `state` holds local tensors: codes with the parameter's element count, scales with one
+    fp32 per block of `block_size` flattened values.
     """
-    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size)
-    adamw_steps_8bit([param], [grad], [state], [step], **hyper)
+    adamw_steps_8bit([param], [grad], [state], [step], hyper=AdamW8bitHyper(**options))
 
 
 def adamw_steps_8bit(
@@ -84,12 +70,7 @@ def adamw_steps_8bit(
     states: list[dict[str, torch.Tensor]],
     steps: list[int],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    block_size: int,
+    hyper: AdamW8bitHyper,
 ) -> None:
     """`adamw_step_8bit` for many parameters of one device, one block size and one error-feedback
     setting, in one `adamw8bit_step_multi` call (per parameter bit-identical to `adamw_step_8bit`).
@@ -97,6 +78,7 @@ def adamw_steps_8bit(
     Tensors go in as they are (the op takes contiguous tensors of any shape): a view per tensor per
     step would cost more Python than the C++ step of a small parameter. A non-contiguous parameter
     steps in a contiguous copy, written back after."""
+    block_size = hyper.block_size
     works, state_lists, written_back = [], [], []
     for param, state in zip(params, states):
         work = param if param.is_contiguous() else param.contiguous()
@@ -111,9 +93,7 @@ def adamw_steps_8bit(
         if tensors[1].numel() != n_blocks:
             tensors = tuple(t[:n_blocks] if key.endswith("scales") else t for key, t in zip(keys, tensors))
         state_lists.append(tensors)
-    adamw8bit_step_multi(
-        works, [grad if grad.is_contiguous() else grad.contiguous() for grad in grads], state_lists,
-        steps=steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, block_size=block_size,
-    )  # fmt: skip
+    grads = [grad if grad.is_contiguous() else grad.contiguous() for grad in grads]
+    adamw8bit_step_multi(works, grads, state_lists, steps=steps, hyper=hyper)
     for param, work in written_back:
         param.copy_(work)

@@ -81,13 +81,20 @@ def _elementwise(key: str) -> bool:
     return not key.endswith("scales")
 
 
+def _block_size_of(key: str, block_size: int | None) -> int:
+    """The block size that 8-bit state key `key` (a scale: one value per block) needs."""
+    if block_size is None:
+        raise ValueError(f"state key {key!r} holds one value per block: pass the state's block_size")
+    return block_size
+
+
 def bytes_per_value(state: dict[str, torch.Tensor], block_size: int | None) -> float:
     """State bytes per parameter value: codes/moments/residuals, plus each scale's share of a block."""
     total = 0.0
     for key, value in state.items():
         if key == "step" or not isinstance(value, torch.Tensor):
             continue
-        total += value.element_size() / (block_size if not _elementwise(key) else 1)
+        total += value.element_size() / (1 if _elementwise(key) else _block_size_of(key, block_size))
     return total
 
 
@@ -107,7 +114,11 @@ def state_slices(
         if key == "step" or not isinstance(value, torch.Tensor):
             continue
         flat = value.view(-1)
-        out[key] = flat[start:end] if _elementwise(key) else flat[start // block_size : math.ceil(end / block_size)]
+        if _elementwise(key):
+            out[key] = flat[start:end]
+        else:
+            block = _block_size_of(key, block_size)
+            out[key] = flat[start // block : math.ceil(end / block)]
     return out
 
 
@@ -154,19 +165,24 @@ class StateStreamer:
             return
         self._reserve(max(slot_bytes_needed(host) for host, _ in chunks))
         stream = self.copy_stream
-        compute = torch.cuda.current_stream(self.device) if stream is not None else None
-        if stream is not None:
-            # The slots come from the caching allocator, ordered on the compute stream: their memory
-            # may still be in use by queued compute work, so the copy stream starts after it.
-            stream.wait_stream(compute)
-
-        def load(index: int) -> tuple[dict[str, torch.Tensor], object]:
-            host = chunks[index][0]
-            views = self._carve(index % 2, host)
-            if stream is None:
+        if stream is None:
+            for host, update in chunks:
+                views = self._carve(0, host)
                 for key, view in views.items():
                     view.copy_(host[key])
-                return views, None
+                update(views)
+                for key, view in views.items():
+                    host[key].copy_(view)
+            self.slots = []
+            return
+        compute = torch.cuda.current_stream(self.device)
+        # The slots come from the caching allocator, ordered on the compute stream: their memory
+        # may still be in use by queued compute work, so the copy stream starts after it.
+        stream.wait_stream(compute)
+
+        def load(index: int) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+            host = chunks[index][0]
+            views = self._carve(index % 2, host)
             with torch.cuda.stream(stream):
                 for key, view in views.items():
                     view.copy_(host[key], non_blocking=True)
@@ -181,11 +197,6 @@ class StateStreamer:
                 # Issued before this chunk's update: on CUDA it overlaps it; its slot's previous user
                 # (chunk index - 1) was written back earlier on the same stream.
                 pending = load(index + 1)
-            if stream is None:
-                update(views)
-                for key, view in views.items():
-                    host[key].copy_(view)
-                continue
             compute.wait_event(loaded)
             update(views)
             updated = torch.cuda.Event()
@@ -194,8 +205,7 @@ class StateStreamer:
                 stream.wait_event(updated)
                 for key, view in views.items():
                     host[key].copy_(view, non_blocking=True)
-        if stream is not None:
-            stream.synchronize()
+        stream.synchronize()
         # Freed between steps: the device holds staging only while the optimizer steps (on CUDA the
         # caching allocator keeps the blocks, so the next step's slots cost no cudaMalloc).
         self.slots = []

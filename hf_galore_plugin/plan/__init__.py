@@ -57,6 +57,7 @@ def load_config(model: Optional[str] = None, config: Optional[str] = None):
         fields = dict(shapes[model])
         cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     else:
+        assert config is not None  # exactly one of the two is given (checked above)
         path = pathlib.Path(config)
         if path.is_dir():
             path = path / "config.json"

@@ -15,7 +15,6 @@ state, tensors made in the forward and still alive (activations), and the rest (
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,12 +184,14 @@ class LoRALinear(nn.Module):
             if self.bias is not None:
                 result = result + self.bias
         else:
+            assert self.weight is not None, "a plain LoRA layer keeps its weight"
             result = F.linear(x, self.weight, self.bias)
         h = x.to(self.lora_A.dtype)
         return result + ((h @ self.lora_A.mT) @ self.lora_B.mT * self.scaling).to(result.dtype)
 
 
-def _apply_lora(model: nn.Module, rank: int, *, nf4: bool) -> None:
+def _apply_lora(model: Any, rank: int, *, nf4: bool) -> None:
+    """`model`: a transformers PreTrainedModel (its enable_input_require_grads)."""
     from ..inject import swap_submodule
 
     for p in model.parameters():
@@ -229,7 +230,7 @@ def _setup(method: str, model: nn.Module, settings: Settings):
     if method == "adamw_torch":
         # foreach is torch's default on CUDA; on CPU torch picks the per-tensor loop.
         foreach = settings.device == "cuda"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
         notes.append(f"torch.optim.AdamW(foreach={foreach}): state in the parameters' dtype")
         return optimizer, (lambda: None), True, notes
     if method == "adamw_8bit":
@@ -270,11 +271,7 @@ def _setup(method: str, model: nn.Module, settings: Settings):
     overrides = {"rank": settings.rank, **settings.optim_args, "update_proj_gap": 2}
     overrides.pop("max_proj_gap", None)
     config = GaLoreConfig.preset(method, **overrides)
-    with warnings.catch_warnings():
-        # The trace's gap of 2 packs the staggered phases for the trace only (it warns whenever more than
-        # two phases are needed); the run's packing, under the user's gap, is _staggered_trace_phases'.
-        warnings.filterwarnings("ignore", message="refresh_schedule='staggered'", category=UserWarning)
-        prepare_model(model, config)
+    prepare_model(model, config)
     optimizer = create_optimizer(model, config, lr=LR)
     notes.append("traced: hf_galore_plugin layers and AdamW")
     if config.refresh_schedule != "staggered":
@@ -305,7 +302,7 @@ def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     return min(chunk, tokens)
 
 
-def _loss_notes(model: nn.Module, settings: Settings, notes: list[str]) -> None:
+def _loss_notes(model: Any, settings: Settings, notes: list[str]) -> None:
     """The chunked loss of `chunked_loss=true` (installed by prepare_model) or, with `settings.liger`, Liger's fused
     linear cross-entropy, laid out as our chunked loss at Liger's chunk size (both compute the gradients in the
     forward, chunk by chunk, into an N x H and a V x H buffer; per chunk Liger holds one chunk x V buffer in
@@ -355,9 +352,7 @@ def _staggered_trace_phases(model: nn.Module, user_config, full_layers: int | No
 
     layers = _galore_layers(model)
     for _, layer in layers:
-        layer._set_counter("galore_phase", 0)
-        layer._phase = 0
-        layer._update_refresh_due()
+        layer.set_refresh_phase(0)
     traced_layers = max((i for i, _ in layers), default=-1) + 1
     depth = full_layers or traced_layers
     outside = [layer for i, layer in layers if i < 0]
@@ -381,12 +376,10 @@ def _restage(model: nn.Module, member) -> None:
     """Phases for steps 1-3 of the trace (gap 2): the member at phase 0 (due at step 2), every other
     layer at phase 1 with a gap beyond the trace (never due again)."""
     for _, layer in _galore_layers(model):
-        phase = 0 if layer is member else 1
-        layer._set_counter("galore_phase", phase)
-        layer._phase = phase
-        if layer is not member:
-            layer._set_counter("galore_gap", 1 << 20)
-        layer._update_refresh_due()
+        if layer is member:
+            layer.set_refresh_phase(0)
+        else:
+            layer.set_refresh_phase(1, gap=1 << 20)
 
 
 @contextlib.contextmanager
@@ -413,47 +406,6 @@ def _device_semantics(device: str):
         yield
     finally:
         KERNEL_DISPATCH.inline_twins = old_inline
-
-
-@contextlib.contextmanager
-def _private_tensor_caches():
-    """Give the trace empty module-level tensor caches (the 0-d addmm inputs of layers.function, the
-    nibble tables of quant.functional) and restore the caller's afterwards. Under fake tensors they
-    would otherwise keep fake tensors that a later real run reads; and a trace must count the bytes of
-    the entries it makes, whichever trace of the process came first."""
-    from ..layers import function
-    from ..quant import functional
-
-    saved = dict(function._ZEROS)
-    function._ZEROS.clear()
-    functional._byte_table.cache_clear()
-    try:
-        yield
-    finally:
-        function._ZEROS.clear()
-        function._ZEROS.update(saved)
-        functional._byte_table.cache_clear()
-
-
-@contextlib.contextmanager
-def _two_error_chunks():
-    """Under fake tensors, the quantization-error measure (layers.storage._relative_rms) runs its first two chunks
-    only: every later chunk allocates and frees the same temporaries as the second (the last one fewer),
-    so the peak is unchanged, and its value is unknown under fake tensors anyway. A 70B MLP weight has 56
-    chunks, each several dispatches through the fake mode: the whole loop dominates a Q-GaLore trace."""
-    from ..layers import storage
-
-    exact_measure = storage._relative_rms
-
-    def measure(approx, exact, chunk: int = 1 << 22) -> float:
-        keep = min(exact.numel(), 2 * chunk)
-        return exact_measure(approx.reshape(-1)[:keep], exact.reshape(-1)[:keep], chunk)
-
-    storage._relative_rms = measure
-    try:
-        yield
-    finally:
-        storage._relative_rms = exact_measure
 
 
 def _state_tensors(state: dict) -> list:
@@ -490,7 +442,7 @@ class _Roles:
     def _regions(self, model: nn.Module, optimizer, grads_of) -> None:
         owner: dict[int, int] = {}
         for index, layer in enumerate(_decoder_layers(model)):
-            tensors = list(layer.parameters()) + list(layer.buffers())
+            tensors: list[Any] = list(layer.parameters()) + list(layer.buffers())
             tensors += [getattr(m, "_pending_grad", None) for m in layer.modules()]
             for p in layer.parameters():
                 tensors.append(p.grad)
@@ -509,11 +461,12 @@ class _Roles:
                 self.tracker.unowned.add(serial)
 
     def collect(self, model: nn.Module, optimizer) -> None:
-        bases, weights = [], []
+        bases: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
         for name, buf in model.named_buffers():
             (bases if "galore_basis_" in name else weights).append(buf)
         weights += list(model.parameters())
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads: list[Any] = [p.grad for p in model.parameters() if p.grad is not None]
         grads += [getattr(m, "_pending_grad", None) for m in model.modules()]
         state: list[torch.Tensor] = []
         projector_bases: list[torch.Tensor] = []
@@ -564,12 +517,11 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
 
     tracker = LiveBytes(scalar_fallback=fake)
     roles = _Roles(tracker)
-    steps: list[dict[str, StepPeak]] = []
+    steps: list[list[tuple[str, int, StepPeak]]] = []
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if not fake:
         torch.manual_seed(0)
-    shortcuts = _two_error_chunks() if fake else contextlib.nullcontext()
-    with _private_tensor_caches(), _device_semantics(settings.device), shortcuts, mode, tracker:
+    with _device_semantics(settings.device), mode, tracker:
         model = build_fake_model(config, settings.dtype, gradient_checkpointing=settings.gradient_checkpointing)
         for t in list(model.parameters()) + list(model.buffers()):
             tracker.track(t)
@@ -680,18 +632,20 @@ def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 
             )
             return full
         step = []
-        for key, b in b_keyed.items():
-            a = a_keyed[key]
-            parts = {k: _affine(a.parts[k], b.parts[k], extra) for k in b.parts}
-            step.append((key[0], -1, StepPeak(_affine(a.peak_bytes, b.peak_bytes, extra), parts, key[0], b.largest)))
+        for key, b_run in b_keyed.items():
+            a_run = a_keyed[key]
+            parts = {k: _affine(a_run.parts[k], b_run.parts[k], extra) for k in b_run.parts}
+            peak = _affine(a_run.peak_bytes, b_run.peak_bytes, extra)
+            step.append((key[0], -1, StepPeak(peak, parts, key[0], b_run.largest)))
         steps.append(step)
-    a, b = small
+    a_trace, b = small
     notes = b.notes + [
         f"traced with {base_layers} and {base_layers + 1} decoder layers, scaled to {layers} (identical layers)"
     ]
     return MethodTrace(
-        method, b.traced, steps, notes, _affine(a.trainable_grad_bytes, b.trainable_grad_bytes, extra),
-        b.largest_layer_param_bytes, b.largest_layer_grad_bytes, _affine(a.host_state_bytes, b.host_state_bytes, extra),
+        method, b.traced, steps, notes, _affine(a_trace.trainable_grad_bytes, b.trainable_grad_bytes, extra),
+        b.largest_layer_param_bytes, b.largest_layer_grad_bytes,
+        _affine(a_trace.host_state_bytes, b.host_state_bytes, extra),
         staggered=b.staggered, phase_extra_bytes=b.phase_extra_bytes,
     )  # fmt: skip
 

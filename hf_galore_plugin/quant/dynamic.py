@@ -27,7 +27,7 @@ code values, found without a search by a table over y's fp32 bit pattern (`neare
 the sign, the exponent and the top 8 mantissa bits of y pick a bucket of y values; the table holds
 c = #(midpoints < smallest y of the bucket), and as no bucket holds more than one midpoint (asserted
 when the table is built: buckets are <= 2**-8 relative wide, code values >= 0.7% apart),
-index = c + (midpoints[c] < y), exactly. The optimizer's torch step, its compiled and C++ forms and
+index = c + (midpoints[c] < y), exactly. The optimizer's torch step, its C++ form and
 the Triton kernel all use this rule (the kernel receives these tables and `LOOKUP_*` constants), so
 they give identical codes wherever y itself rounds identically.
 """

@@ -38,11 +38,15 @@ import functools
 import math
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..codes import code_dtype, code_levels, grid_table, nibble_offset, packed_numel
 
 __all__ = [
     "SCHEMES",
+    "block_multiplier",
+    "dequantize_whole_blocks",
+    "whole_blocks",
     "check_quant_args",
     "check_float_tensor",
     "default_block_size",
@@ -119,7 +123,14 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _byte_table(scheme: str, device: torch.device) -> torch.Tensor:
     """(256, 2) fp32: the values of the low and the high nibble of every byte before the block scale
-    (symmetric int4: code - 8; NF4: the code book's value). Cached per device (read-only)."""
+    (symmetric int4: code - 8; NF4: the code book's value). Cached per device (read-only), and always a real
+    tensor: built outside any fake-tensor mode that is active at the first call (the memory planner's trace),
+    so a later real run never reads a cached fake table."""
+    with unset_fake_temporarily():
+        return _build_byte_table(scheme, device)
+
+
+def _build_byte_table(scheme: str, device: torch.device) -> torch.Tensor:
     nibbles = torch.arange(256)
     pairs = torch.stack([nibbles & 15, nibbles >> 4], dim=1)
     if scheme == "symmetric":
@@ -207,6 +218,7 @@ def quantize_blockwise_torch(
     factor = torch.where(scales > 0, torch.div(numerator, scales), 0.0)[:, None]
     # v: the value in code units (for nf4: normalized to [-1, 1], searched in the grid below)
     if scheme == "asymmetric":
+        assert zero_points is not None, "the asymmetric scheme has a zero point per block"
         v = (blocks - zero_points[:, None]) * factor
         # x - min overflows in a block wider than the float32 range; x*f - min*f does not
         v = torch.where(torch.isfinite(v), v, blocks * factor - zero_points[:, None] * factor)
@@ -236,6 +248,37 @@ def quantize_blockwise_torch(
     return codes, scales, zero_points
 
 
+def whole_blocks(*, scheme: str, bits: int, block_size: int, numel: int) -> bool:
+    """Whether :func:`dequantize_whole_blocks` decodes this tensor: whole blocks of a scheme the layers
+    store (int8 W0, int4 bases, NF4 W0)."""
+    return numel % block_size == 0 and (scheme, bits) in (("symmetric", 8), ("symmetric", 4), ("nf4", 4))
+
+
+def block_multiplier(scales: torch.Tensor, *, scheme: str, bits: int) -> torch.Tensor:
+    """What a block's code values are multiplied by (fp32, one per block): absmax / levels for the
+    symmetric schemes, absmax for NF4 (whose code book spans [-1, 1]). A tensor read many times between
+    writes (a layer's W0 and bases) can keep it and pass it to :func:`dequantize_whole_blocks`."""
+    return scales / float(code_levels(scheme, bits)) if scheme == "symmetric" else scales
+
+
+def dequantize_whole_blocks(
+    codes: torch.Tensor, multiplier: torch.Tensor, *, scheme: str, bits: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The values of `codes` (see :func:`whole_blocks`) in `dtype`, flat, equal to the general path's.
+
+    Two passes: int8 codes times the fp32 multiplier promote to fp32 inside the multiply, whose result is
+    rounded once into `dtype` as it is stored (as ``.to(dtype)`` of the fp32 product would); a 4-bit
+    byte looks up its two values (low nibble first) in a 256 x 2 table first."""
+    if bits == 8:
+        blocks = codes.view(-1, block_size)
+    else:
+        blocks = torch.index_select(_byte_table(scheme, codes.device), 0, codes.long()).view(-1, block_size)
+    if dtype == torch.float32:
+        return (blocks * multiplier[:, None]).view(-1)
+    out = torch.empty(blocks.shape, dtype=dtype, device=blocks.device)
+    return torch.mul(blocks, multiplier[:, None], out=out).view(-1)
+
+
 def dequantize_blockwise_torch(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -248,16 +291,9 @@ def dequantize_blockwise_torch(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Inverse of `quantize_blockwise_torch`: a flat tensor of `numel` values in `dtype`."""
-    if numel % block_size == 0 and (scheme, bits) in (("symmetric", 8), ("symmetric", 4), ("nf4", 4)):
-        # Whole blocks of the schemes the layers store (int8 W0, int4 bases, NF4 W0), in the fewest passes,
-        # with the general path's values: int8 codes times the fp32 multiplier promote to fp32 in the
-        # multiply itself; a 4-bit byte looks up its two values (low nibble first) in a 256 x 2 table.
-        if bits == 8:
-            blocks = codes.view(-1, block_size)
-        else:
-            blocks = _byte_table(scheme, codes.device)[codes.long()].view(-1, block_size)
-        multiplier = scales / float(code_levels(scheme, bits)) if scheme == "symmetric" else scales
-        return (blocks * multiplier[:, None]).view(-1).to(dtype)
+    if whole_blocks(scheme=scheme, bits=bits, block_size=block_size, numel=numel):
+        multiplier = block_multiplier(scales, scheme=scheme, bits=bits)
+        return dequantize_whole_blocks(codes, multiplier, bits=bits, scheme=scheme, block_size=block_size, dtype=dtype)
     values = unpack_int4(codes, numel=numel) if bits == 4 else codes[:numel]
     values = values.to(torch.float32)
     # Each skipped step below is a full pass over the tensor (an int8 W0 is dequantized in every forward
@@ -271,6 +307,7 @@ def dequantize_blockwise_torch(
     if scheme == "symmetric":
         out = blocks * (scales / float(levels))[:, None]
     elif scheme == "asymmetric":
+        assert zero_points is not None, "the asymmetric scheme has a zero point per block"
         out = blocks * scales[:, None] + zero_points[:, None]
         # code * step can exceed the float32 maximum in a block wider than the float32 range: halve, add, double
         half = (blocks * (scales * 0.5)[:, None] + (zero_points * 0.5)[:, None]) * 2.0

@@ -15,6 +15,8 @@ in the op schema and None (or the given tensors) at the entry points.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -222,30 +224,17 @@ def dequantize_blockwise(
 
 
 def dequantize_stored(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    zero_points: torch.Tensor | None,
-    *,
-    scheme: str,
-    bits: int,
-    block_size: int,
-    numel: int,
-    dtype: torch.dtype,
+    codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, **layout: Any
 ) -> torch.Tensor:
     """:func:`dequantize_blockwise` for tensors this package quantized itself (a layer's W0 and bases, read
-    in every forward and backward): no argument checks, and in eager mode the implementation is called
+    in every forward and backward); `layout` is its keyword arguments (scheme, bits, block_size, numel,
+    dtype), forwarded as given. No argument checks, and in eager mode the implementation is called
     directly, without the custom op's Python dispatch (tens of microseconds a call, more than the CPU work
     of a small tensor). Traced code (torch.compile, fake tensors) goes through the op, as it does through
     the checked entry point."""
     traced = torch.compiler.is_compiling() or is_fake(codes)
     if traced and not KERNEL_DISPATCH.inline_twins:
-        return torch.ops.hf_galore.dequantize_blockwise(
-            codes, scales, zero_points, scheme, bits, block_size, numel, dtype
-        )
+        return torch.ops.hf_galore.dequantize_blockwise(codes, scales, zero_points, **layout)
     if not traced and use_triton(codes):
-        return _kernels().dequantize_blockwise_triton(
-            codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
-        )
-    return functional.dequantize_blockwise_torch(
-        codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
-    )
+        return _kernels().dequantize_blockwise_triton(codes, scales, zero_points, **layout)
+    return functional.dequantize_blockwise_torch(codes, scales, zero_points, **layout)

@@ -114,7 +114,9 @@ class QuantizedTensor:
     def block_scales(self) -> torch.Tensor:
         """The fp32 scale of every block (dequantized from the nested codes under double quant)."""
         if self.double_quant:
+            assert self.nested_codes is not None and self.nested_scales is not None and self.nested_offset is not None
             return _dequantize_scales(self.nested_codes, self.nested_scales, self.nested_offset)
+        assert self.scales is not None, "a tensor without double quantization holds its scales"
         return self.scales
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -234,7 +236,10 @@ def quantize(
         block_size = functional.default_block_size(bits)
     functional.check_quant_args(scheme=scheme, bits=bits, block_size=block_size)
     randoms = _uniform_randoms(x, generator) if stochastic else None
-    nested_codes = nested_scales = nested_offset = None
+    nested_codes: torch.Tensor | None = None
+    nested_scales: torch.Tensor | None = None
+    nested_offset: torch.Tensor | None = None
+    scales: torch.Tensor | None
     if double_quant:
         scales, zero_points = blockwise_stats(x, scheme=scheme, bits=bits, block_size=block_size)
         nested_codes, nested_scales, nested_offset = _double_quantize_scales(scales)

@@ -28,7 +28,7 @@ import yaml
 from _teardown import shut_down
 
 import hf_galore_plugin as hgp
-from hf_galore_plugin.integrations.callback import GALORE_STATE_NAME
+from hf_galore_plugin.checkpoint.state import GALORE_STATE_NAME
 from hf_galore_plugin.engines.deepspeed import is_zero3_partitioned
 
 ENGINE = os.environ["ENGINE"]

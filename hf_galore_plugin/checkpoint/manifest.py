@@ -31,8 +31,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from ..api import GaLoreCheckpointError
-from ..api import write_atomically as atomic_write
+from .files import GaLoreCheckpointError
+from .files import write_atomically as atomic_write
 
 __all__ = [
     "MANIFEST_NAME",
@@ -81,7 +81,7 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_temporaries(folder: str) -> list[str]:
     """Remove this package's temporary files in `folder` whose writer (the PID in the name) no longer runs
     on this machine: what a process killed during a write leaves. Returns the removed paths."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(folder)
     except OSError:
@@ -234,7 +234,7 @@ def write_manifest(folder: str, *, global_step: Optional[int]) -> dict[str, floa
 
 
 def write_atomically(path: str, data: bytes) -> None:
-    """`data` to `path` through ``<path>.tmp-<pid>`` (:func:`hf_galore_plugin.api.write_atomically`)."""
+    """`data` to `path` through ``<path>.tmp-<pid>`` (:func:`hf_galore_plugin.checkpoint.files.write_atomically`)."""
     atomic_write(path, lambda handle: handle.write(data))
 
 
