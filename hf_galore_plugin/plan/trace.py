@@ -15,6 +15,7 @@ state, tensors made in the forward and still alive (activations), and the rest (
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,7 +272,11 @@ def _setup(method: str, model: nn.Module, settings: Settings):
     overrides = {"rank": settings.rank, **settings.optim_args, "update_proj_gap": 2}
     overrides.pop("max_proj_gap", None)
     config = GaLoreConfig.preset(method, **overrides)
-    prepare_model(model, config)
+    with warnings.catch_warnings():
+        # The trace's gap of 2 packs the staggered phases for the trace only (it warns whenever more than
+        # two phases are needed); the run's packing, under the user's gap, is _staggered_trace_phases'.
+        warnings.filterwarnings("ignore", message="refresh_schedule='staggered'", category=UserWarning)
+        prepare_model(model, config)
     optimizer = create_optimizer(model, config, lr=LR)
     notes.append("traced: hf_galore_plugin layers and AdamW")
     if config.refresh_schedule != "staggered":
