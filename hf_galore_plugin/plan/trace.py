@@ -388,6 +388,25 @@ def _restage(model: nn.Module, member) -> None:
 
 
 @contextlib.contextmanager
+def _private_tensor_caches():
+    """Give the trace empty module-level tensor caches (the 0-d addmm inputs of layers.function, the
+    nibble tables of quant.functional) and restore the caller's afterwards, so that every trace counts
+    the bytes of the entries it makes, whichever trace of the process came first."""
+    from ..layers import function
+    from ..quant import functional
+
+    saved = dict(function._ZEROS)
+    function._ZEROS.clear()
+    functional._byte_table.cache_clear()
+    try:
+        yield
+    finally:
+        function._ZEROS.clear()
+        function._ZEROS.update(saved)
+        functional._byte_table.cache_clear()
+
+
+@contextlib.contextmanager
 def _device_semantics(device: str):
     """Make the traced code take the code path of `device`'s kernels.
 
@@ -526,7 +545,7 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if not fake:
         torch.manual_seed(0)
-    with _device_semantics(settings.device), mode, tracker:
+    with _private_tensor_caches(), _device_semantics(settings.device), mode, tracker:
         model = build_fake_model(config, settings.dtype, gradient_checkpointing=settings.gradient_checkpointing)
         for t in list(model.parameters()) + list(model.buffers()):
             tracker.track(t)
