@@ -47,6 +47,7 @@ from ..inject import plain_linear, swap_submodule
 from ..registry import list_optimizer_entry_points, load_optimizer_preset
 from . import NO_PATCH_ENV
 from .chunked_loss import configure_trainer_loss
+from .layerwise import layerwise_served, log_layerwise
 from .optim_args import config_from_training_args
 
 logger = logging.getLogger(__name__)
@@ -72,12 +73,9 @@ __all__ = [
 ]
 
 NO_TAKEOVER_ENV = "HF_GALORE_PLUGIN_NO_TAKEOVER"
-# transformers' per-layer (layerwise) low-rank variants: they hook a separate optimizer on every
-# parameter and cannot drive the plugin's reparametrized layers.
-_LAYERWISE_NAMES = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise")
 
 _lock = threading.RLock()
-_served: dict[str, str] = {}  # optimizer name -> "added" | "takeover"
+_served: dict[str, str] = {}  # optimizer name -> "added" | "takeover" | "layerwise" (integrations/layerwise.py)
 _takeover_logged = False
 
 
@@ -195,6 +193,7 @@ def patch_training_args() -> None:
                 _served[name] = "added"
             elif takeover:
                 _served[name] = "takeover"
+        _served.update(layerwise_served(_served, enum_cls._value2member_map_))
 
 
 # ---------------------------------------------------------------------- config and model preparation
@@ -223,17 +222,6 @@ def _check_training_args(args: Any, name: str) -> None:
             f"optim={name!r}: the DeepSpeed config has an 'optimizer' block "
             f"({ds_config['optimizer'].get('type', '?')!r}), which would replace the GaLore optimizer "
             "silently. Remove the 'optimizer' block from the DeepSpeed config (keep 'scheduler' if you like)."
-        )
-
-
-def _check_layerwise(args: Any) -> None:
-    value = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
-    if value in _LAYERWISE_NAMES and any(kind == "takeover" for kind in _served.values()):
-        raise ValueError(
-            f"optim={value!r} is transformers' layerwise GaLore (galore-torch), which cannot be combined with "
-            f"hf_galore_plugin (it serves {sorted(_served)}). Use optim='galore_adamw' or 'galore_adamw_8bit': "
-            "the plugin keeps only low-rank optimizer state, so no per-layer optimizer is needed. To use "
-            f"transformers' implementation instead, set {NO_TAKEOVER_ENV}=1."
         )
 
 
@@ -303,7 +291,7 @@ def _galore_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module], name
     global _takeover_logged
     if model is None:
         raise ValueError(f"optim={name!r} needs the model: Trainer.get_optimizer_cls_and_kwargs(args, model)")
-    if _served[name] == "takeover" and not _takeover_logged:
+    if not log_layerwise(name, NO_TAKEOVER_ENV) and _served[name] == "takeover" and not _takeover_logged:
         _takeover_logged = True
         logger.warning(
             "optim=%r is served by hf_galore_plugin, not by transformers' galore-torch integration "
@@ -795,7 +783,6 @@ def _wrap_init(original: Callable) -> Callable:
         except TypeError:
             return original(self, *args, **kwargs)  # let the Trainer report the bad call
         training_args = bound.arguments.get("args")
-        _check_layerwise(training_args)
         from .callback import galore_model_of
 
         name = _served_name(getattr(training_args, "optim", None))
