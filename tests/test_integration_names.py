@@ -224,7 +224,9 @@ def test_get_optimizer_cls_and_kwargs_serves_plugin_names_and_passes_others_thro
     assert plain_cls is torch.optim.AdamW
 
 
-@pytest.mark.parametrize("name, base", [("galore_adamw_layerwise", "galore_adamw"), ("galore_adamw_8bit_layerwise", "galore_adamw_8bit")])
+@pytest.mark.parametrize(
+    "name, base", [("galore_adamw_layerwise", "galore_adamw"), ("galore_adamw_8bit_layerwise", "galore_adamw_8bit")]
+)
 def test_layerwise_names_get_the_plugins_optimizer(tmp_path, caplog, name, base):
     # oracle: the kwargs the base name gets for the same arguments
     model = _TinyMLP()
@@ -233,7 +235,9 @@ def test_layerwise_names_get_the_plugins_optimizer(tmp_path, caplog, name, base)
             _args(tmp_path, optim=name, optim_target_modules=["up"], optim_args="rank=8"), model
         )
     assert cls is GaLoreOptimizerFactory
-    assert kwargs["galore_config"] == GaLoreConfig.preset(base, rank=8, target_modules=kwargs["galore_config"].target_modules)
+    assert kwargs["galore_config"] == GaLoreConfig.preset(
+        base, rank=8, target_modules=kwargs["galore_config"].target_modules
+    )
     _, base_kwargs = Trainer.get_optimizer_cls_and_kwargs(
         _args(tmp_path, optim=base, optim_target_modules=["up"], optim_args="rank=8"), _TinyMLP()
     )

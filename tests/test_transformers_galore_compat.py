@@ -100,14 +100,19 @@ def test_galore(tmp_path, optim):
 def test_galore_extra_args(tmp_path):
     # transformers' own parser removes the spaces of optim_args; the plugin reads the same string
     trainer = _train(
-        tmp_path, optim="galore_adamw", optim_target_modules=ATTN_MLP, optim_args="rank=64, update_proj_gap=100, scale=0.10"
+        tmp_path,
+        optim="galore_adamw",
+        optim_target_modules=ATTN_MLP,
+        optim_args="rank=64, update_proj_gap=100, scale=0.10",
     )
     config = trainer.model.galore_config
     assert (config.rank, config.update_proj_gap, config.scale) == (64, 100, 0.10)
 
 
 def test_galore_layerwise_with_scheduler(tmp_path):
-    trainer = _train(tmp_path, optim="galore_adamw_layerwise", optim_target_modules=ATTN_MLP, lr_scheduler_type="cosine")
+    trainer = _train(
+        tmp_path, optim="galore_adamw_layerwise", optim_target_modules=ATTN_MLP, lr_scheduler_type="cosine"
+    )
     assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), hgp.AdamW)
 
 
