@@ -183,3 +183,76 @@ def test_layerwise_name_with_gradient_accumulation_trains_like_its_base_name(tmp
     assert len(moved) > 20  # it trained
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=f"{key}: {name_b} vs {name_a}")
+
+
+# ---------------------------------------------------------------------- optim_target_modules selection
+def _transformers_selection(model: nn.Module, targets) -> list[str]:
+    """The layers transformers' own low-rank set-up (``_setup_low_rank_optimizer``) puts in its target group."""
+    from types import SimpleNamespace
+
+    from transformers.trainer_optimizer import _setup_low_rank_optimizer
+    from transformers.training_args import ParallelMode
+
+    args = SimpleNamespace(
+        optim_target_modules=targets, parallel_mode=ParallelMode.NOT_PARALLEL, gradient_accumulation_steps=1
+    )
+    _, kwargs = _setup_low_rank_optimizer(args, model, "galore_adamw", {"galore_adamw": object}, {}, {})
+    target_ids = {id(p) for p in kwargs["params"][1]["params"]}
+    return sorted(name[: -len(".weight")] for name, p in model.named_parameters() if id(p) in target_ids)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize(
+    "targets",
+    ["all-linear", "all_linear", ATTN_MLP, ["q_proj", "v_proj"], ["attn", "mlp"], r".*mlp\..*",
+     "model.layers.1.self_attn.q_proj", ["model.layers.0.mlp.up_proj"]],
+)  # fmt: skip
+def test_optim_target_modules_select_what_transformers_selects(tmp_path, targets, tied):
+    theirs = _transformers_selection(
+        LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     tie_word_embeddings=tied)),
+        targets,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=tied
+        )
+    )
+    config = hgp.GaLoreConfig(rank=8, target_modules=target_modules_from_optim_target_modules(targets))
+    ours = sorted(name for name, _ in hgp.galore_layers(hgp.prepare_model(model, config)))
+    assert ours == theirs
+    assert ("lm_head" in ours) == (targets in ("all-linear", "all_linear") and not tied)
+
+
+def test_summary_names_matched_layers_that_were_not_projected(caplog):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=True
+        )
+    )
+    model.model.layers[1].mlp.down_proj.weight.requires_grad_(False)
+    with caplog.at_level("INFO", logger="hf_galore_plugin.inject"):
+        hgp.prepare_model(model, hgp.GaLoreConfig(rank=8, target_modules="all-linear"))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GaLore targets"))
+    assert "GaLore targets 13 nn.Linear" in line
+    assert "matched by target_modules but not projected: " in line
+    assert "model.layers.1.mlp.down_proj (frozen)" in line
+    assert "lm_head (weight tied to model.embed_tokens)" in line
+    # an explicit pattern names only what it matched; the default (None) names nothing
+    caplog.clear()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
+    model.model.layers[1].mlp.down_proj.weight.requires_grad_(False)
+    with caplog.at_level("INFO", logger="hf_galore_plugin.inject"):
+        hgp.prepare_model(model, hgp.GaLoreConfig(rank=8, target_modules=["mlp"]))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GaLore targets"))
+    assert line.endswith("matched by target_modules but not projected: model.layers.1.mlp.down_proj (frozen)")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hf_galore_plugin.inject"):
+        hgp.prepare_model(
+            LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)),
+            hgp.GaLoreConfig(rank=8),
+        )
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GaLore targets"))
+    assert "not projected" not in line and "1 output head" in line
