@@ -29,6 +29,7 @@ import ctypes
 import dataclasses
 import gc
 import json
+import logging
 import math
 import os
 import pathlib
@@ -40,6 +41,35 @@ from typing import Any, Iterable, Optional
 import torch
 
 import hf_galore_plugin  # noqa: F401  registers optim="galore_adamw" / "galore_adamw_8bit" / "qgalore_adamw_8bit"
+
+
+class BnbCpuKernelNotice(logging.Filter):
+    """Drops one bitsandbytes record from the demo's console, and nothing else.
+
+    ``transformers.trainer`` imports peft, and peft imports bitsandbytes whenever it is installed
+    (``peft.helpers``). On a CPU with AVX512-BF16, bitsandbytes' CPU backend then tries to fetch its 4-bit
+    GEMM from the Hugging Face hub (``kernels`` package, ``kernels-community``) at import, and logs a warning
+    when that fails (offline, or ``kernels`` not installed). The demo never runs a bitsandbytes 4-bit matmul
+    (its Q-GaLore weights are this package's NF4, its LoRA base is unquantized), so the notice is not about
+    anything the demo does. The filter sits on that one logger and matches that one message: any other
+    bitsandbytes record still shows.
+    """
+
+    LOGGER = "bitsandbytes.backends.cpu.ops"
+    PREFIX = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.PREFIX)
+
+
+def quiet_bitsandbytes_cpu_kernel_notice() -> None:
+    """Install :class:`BnbCpuKernelNotice` (before anything imports bitsandbytes; idempotent)."""
+    target = logging.getLogger(BnbCpuKernelNotice.LOGGER)
+    if not any(isinstance(f, BnbCpuKernelNotice) for f in target.filters):
+        target.addFilter(BnbCpuKernelNotice())
+
+
+quiet_bitsandbytes_cpu_kernel_notice()
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TRAIN_TEXT = REPO / "data" / "shakespeare.txt"
