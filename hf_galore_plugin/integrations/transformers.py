@@ -123,7 +123,7 @@ def check_transformers_version() -> bool:
 
 
 def served_optimizer_names() -> dict[str, str]:
-    """The optimizer names the plugin serves: name -> 'added' (new member) or 'takeover'."""
+    """The optimizer names the plugin serves: name -> 'added' (new member), 'takeover' or 'layerwise'."""
     return dict(_served)
 
 
