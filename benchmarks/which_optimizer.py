@@ -23,6 +23,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from hf_galore_plugin.plan import METHODS, estimate  # noqa: E402
 
 MODELS = ("llama-2-7b", "llama-3-8b", "llama-3-70b")
+# The low-memory settings of qgalore_adamw_8bit (README "Will it fit?"): label -> optim_args. With the defaults the
+# refresh step records every layer's fp32 gradient and sets the run's peak; these bound it.
+RECIPE = "weight_storage=nf4,refresh_schedule=staggered,basis_method=sketch"
+VARIANTS = {
+    "qgalore_adamw_8bit + nf4, staggered, sketch": RECIPE,
+    "qgalore_adamw_8bit + nf4, staggered, sketch, state_offload=cpu": RECIPE + ",state_offload=cpu",
+}
 GPUS_GB = (24, 48, 80)
 # what each method trains: the table's reader chooses between full-rank, low-rank-update and adapter methods
 KIND = {
@@ -30,6 +37,7 @@ KIND = {
     "flash_adamw": "full", "galore_torch": "full (low-rank state)", "apollo_adamw": "full (low-rank state)",
     "galore_adamw": "full (low-rank state)", "galore_adamw_8bit": "full (low-rank state)",
     "qgalore_adamw_8bit": "full (low-rank state)", "lora": "adapters", "qlora": "adapters",
+    **{label: "full (low-rank state)" for label in VARIANTS},
 }  # fmt: skip
 
 
@@ -47,6 +55,8 @@ def table(plans: dict[str, dict]) -> str:
         for name, entry in sorted(plan["methods"].items(), key=lambda item: peak(item[1])):
             fits = ["yes" if peak(entry) <= g * 10**9 else "" for g in GPUS_GB]
             how = "traced" if entry["traced"] else "layout"
+            if entry.get("host_state_bytes"):
+                how += f"; state in host memory: {entry['host_state_bytes'] / 1e9:.1f} GB"
             lines.append(
                 f"| {model} | {name} | {KIND.get(name, '?')} | {peak(entry) / 1e9:.1f} | "
                 + " | ".join(fits)
@@ -56,7 +66,7 @@ def table(plans: dict[str, dict]) -> str:
 
 
 def summary(plans: dict[str, dict]) -> str:
-    """Per model and GPU: the full-rank methods that fit (smallest peak first)."""
+    """Per model and GPU: the full-rank methods that fit, with their peak in GB (smallest first)."""
     lines = ["| model | " + " | ".join(f"{g} GB" for g in GPUS_GB) + " |", "|---|" + "---|" * len(GPUS_GB)]
     for model, plan in plans.items():
         cells = []
@@ -66,7 +76,9 @@ def summary(plans: dict[str, dict]) -> str:
                 for name, entry in sorted(plan["methods"].items(), key=lambda item: peak(item[1]))
                 if peak(entry) <= g * 10**9 and KIND.get(name, "").startswith("full")
             ]
-            cells.append(", ".join(fitting) or "none (full-rank)")
+            cells.append(
+                ", ".join(f"{name} {peak(plan['methods'][name]) / 1e9:.1f}" for name in fitting) or "none (full-rank)"
+            )
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -86,6 +98,17 @@ def main(argv=None) -> int:
             plan["seconds"] = round(time.perf_counter() - start, 1)
             path.write_text(json.dumps(plan, indent=1))
         plans[model] = json.loads(path.read_text())
+        for index, (label, optim_args) in enumerate(VARIANTS.items()):
+            path = args.out / f"which_{model}_variant{index}.json"
+            if not path.exists():
+                start = time.perf_counter()
+                plan = estimate(
+                    model=model, methods=["qgalore_adamw_8bit"], seq_len=2048, gradient_checkpointing=True,
+                    optim_args=optim_args,
+                )  # fmt: skip
+                plan["seconds"] = round(time.perf_counter() - start, 1)
+                path.write_text(json.dumps(plan, indent=1))
+            plans[model]["methods"][label] = json.loads(path.read_text())["methods"]["qgalore_adamw_8bit"]
     text = table(plans) + "\n\nFull-rank methods that fit, smallest peak first:\n\n" + summary(plans) + "\n"
     (args.out / "which.md").write_text(text)
     print(text)
