@@ -27,8 +27,8 @@ MODELS = ("llama-2-7b", "llama-3-8b", "llama-3-70b")
 # refresh step records every layer's fp32 gradient and sets the run's peak; these bound it.
 RECIPE = "weight_storage=nf4,refresh_schedule=staggered,basis_method=sketch"
 VARIANTS = {
-    "qgalore_adamw_8bit + nf4, staggered, sketch": RECIPE,
-    "qgalore_adamw_8bit + nf4, staggered, sketch, state_offload=cpu": RECIPE + ",state_offload=cpu",
+    "qgalore_adamw_8bit low-memory": RECIPE,
+    "qgalore_adamw_8bit low-memory offloaded": RECIPE + ",state_offload=cpu",
 }
 GPUS_GB = (24, 48, 80)
 # what each method trains: the table's reader chooses between full-rank, low-rank-update and adapter methods
@@ -109,7 +109,15 @@ def main(argv=None) -> int:
                 plan["seconds"] = round(time.perf_counter() - start, 1)
                 path.write_text(json.dumps(plan, indent=1))
             plans[model]["methods"][label] = json.loads(path.read_text())["methods"]["qgalore_adamw_8bit"]
-    text = table(plans) + "\n\nFull-rank methods that fit, smallest peak first:\n\n" + summary(plans) + "\n"
+    legend = "".join(f"\n- {label}: optim_args={optim_args}" for label, optim_args in VARIANTS.items())
+    text = (
+        table(plans)
+        + "\n\nFull-rank methods that fit, smallest peak first:\n\n"
+        + summary(plans)
+        + "\n"
+        + legend
+        + "\n"
+    )
     (args.out / "which.md").write_text(text)
     print(text)
     return 0
