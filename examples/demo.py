@@ -36,6 +36,7 @@ import pathlib
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Iterable, Optional
 
 import torch
@@ -69,7 +70,19 @@ def quiet_bitsandbytes_cpu_kernel_notice() -> None:
         target.addFilter(BnbCpuKernelNotice())
 
 
+def name_the_cpu_to_deepspeed() -> None:
+    """Without a GPU, tell DeepSpeed it runs on the CPU (``DS_ACCELERATOR=cpu``, its documented override).
+
+    transformers imports DeepSpeed whenever it is installed; DeepSpeed then probes for an accelerator and,
+    finding none, logs "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
+    detect it." Naming the CPU makes the same choice without the notice. With a GPU nothing is set, and a
+    DS_ACCELERATOR the user set is kept."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 quiet_bitsandbytes_cpu_kernel_notice()
+name_the_cpu_to_deepspeed()
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TRAIN_TEXT = REPO / "data" / "shakespeare.txt"
@@ -209,7 +222,11 @@ def wrap_lora(model):
         modules_to_save=["embed_tokens", "lm_head"],
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft (0.21) asks the model `is_gradient_checkpointing`, which transformers 5.x deprecates in favour of
+        # `is_activation_checkpointing`: a FutureWarning about peft's call, not about anything the demo does
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, config)
     for name, param in model.named_parameters():
         if "norm" in name:
             param.requires_grad_(True)

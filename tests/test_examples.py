@@ -57,6 +57,32 @@ print(len(log.filters))
     assert not any(line.startswith(f"{BNB_NOTICE}:") for line in lines), result.stderr
 
 
+DEEPSPEED_NOTICE = "Setting accelerator to CPU"
+
+
+def test_demo_console_has_no_deepspeed_accelerator_notice():
+    # transformers imports DeepSpeed when it is installed; without a GPU DeepSpeed logs that it falls back to
+    # the CPU. Oracle: the same calls without the demo's set-up.
+    import torch
+
+    from conftest import run_python
+
+    if torch.cuda.is_available():
+        pytest.skip("platform: with a GPU DeepSpeed finds it and logs no CPU notice; the demo sets nothing")
+    # DeepSpeed picks its accelerator on import (transformers imports it while the Trainer is built)
+    calls = "\nimport deepspeed\nfrom deepspeed.accelerator import get_accelerator\nprint(get_accelerator().device_name())\n"
+    env = {"DS_ACCELERATOR": ""}
+    baseline = run_python(
+        "import os; os.environ.pop('DS_ACCELERATOR')\nimport hf_galore_plugin" + calls, env=env, check=False
+    )
+    if "No module named 'deepspeed'" in baseline.stderr:
+        pytest.skip("platform: deepspeed is not installed, so nothing logs the notice")
+    assert DEEPSPEED_NOTICE in baseline.stdout + baseline.stderr, baseline.stderr[-2000:]  # its logger: stdout
+    demo = run_python("import os; os.environ.pop('DS_ACCELERATOR')\n" + _LOAD_DEMO + calls, env=env)
+    assert demo.stdout.split()[-1] == "cpu", demo.stdout
+    assert DEEPSPEED_NOTICE not in demo.stdout + demo.stderr, demo.stdout + demo.stderr[-2000:]
+
+
 def test_demo_console_has_no_bitsandbytes_notice_when_transformers_imports_it():
     # transformers.trainer -> peft -> bitsandbytes: on a CPU with AVX512-BF16 bitsandbytes logs the notice
     # at import. Oracle: the same imports without the demo's filter.
