@@ -143,7 +143,7 @@ def build_model() -> nn.Module:
         import hf_galore_plugin as hgp
 
         galore_config = hgp.GaLoreConfig.preset(
-            METHOD, rank=RANK, update_proj_gap=GAP, basis_method=BASIS, target_modules="all-linear"
+            METHOD, rank=RANK, update_proj_gap=GAP, basis_method=BASIS, target_modules=None
         )
         model = hgp.prepare_model(model, galore_config)
     return model

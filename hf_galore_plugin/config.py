@@ -135,7 +135,8 @@ class GaLoreConfig:
     )
     target_modules: Optional[Union[list, str]] = _help(
         "Which nn.Linear layers to train with GaLore: None (every nn.Linear except the output head and "
-        "layers whose smaller side <= rank), 'all-linear', a list of name suffixes, or a regex string "
+        "layers whose smaller side <= rank), 'all-linear' (every nn.Linear, an untied output head included, "
+        "as transformers' optim_target_modules='all-linear' selects), a list of name suffixes, or a regex string "
         "matched with re.fullmatch against the module name.",
         default=None,
     )

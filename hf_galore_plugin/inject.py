@@ -2,6 +2,11 @@
 
 Targets are plain trainable ``nn.Linear`` layers only: never embeddings, norms, biases, frozen layers
 (a QLoRA 4-bit base, a peft base layer), peft's LoRA adapter layers, or the output head by default.
+``target_modules="all-linear"`` selects what transformers' ``optim_target_modules="all-linear"`` selects:
+every ``nn.Linear`` whose weight is its own parameter, the untied output head included (a head tied to the
+input embedding is left out, as transformers leaves it: its weight is named as the embedding's). A layer
+a target pattern (or "all-linear") matched but that is not projected is named, with the reason, in the
+summary line.
 """
 
 from __future__ import annotations
@@ -42,16 +47,30 @@ class TargetReport:
     targeted_params: int = 0
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> reason
     skipped_params: int = 0
+    matched_skipped: list[str] = field(default_factory=list)  # a target pattern matched, not projected
+
+    # names listed per reason in the summary; the rest are counted (all of them: ``skipped``)
+    MAX_NAMED = 8
 
     def summary(self) -> str:
         reasons: dict[str, int] = {}
         for reason in self.skipped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
         why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "none"
-        return (
+        line = (
             f"GaLore targets {len(self.targeted)} nn.Linear layers ({self.targeted_params:,} weight parameters); "
             f"skipped {len(self.skipped)} ({self.skipped_params:,} parameters): {why}"
         )
+        if self.matched_skipped:
+            by_reason: dict[str, list[str]] = {}
+            for name in self.matched_skipped:
+                by_reason.setdefault(self.skipped[name], []).append(name)
+            named = []
+            for reason, names in sorted(by_reason.items()):
+                more = f" +{len(names) - self.MAX_NAMED} more" if len(names) > self.MAX_NAMED else ""
+                named.append(f"{', '.join(names[: self.MAX_NAMED])}{more} ({reason})")
+            line += f"; matched by target_modules but not projected: {'; '.join(named)}"
+        return line
 
 
 def _output_head_names(model: nn.Module) -> set[str]:
@@ -109,6 +128,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
     """The (name, module) pairs to replace, and a report of what was skipped and why."""
     report = TargetReport()
     explicit = config.target_modules not in (None, "all-linear")
+    all_linear = config.target_modules == "all-linear"
     heads = _output_head_names(model)
     excluded = list(config.exclude_modules or [])
     selected: list[tuple[str, nn.Linear]] = []
@@ -134,7 +154,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             reason = "quantized or non-standard weight"
         elif explicit and not _matches(name, config.target_modules):
             reason = "not in target_modules"
-        elif not explicit and _is_head(name, heads):
+        elif not explicit and not all_linear and _is_head(name, heads):
             reason = "output head"
         elif any(name == e or name.endswith("." + e) for e in excluded):
             reason = "in exclude_modules"
@@ -149,11 +169,13 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
                     "untie the model first (config.tie_word_embeddings=False and a separate copy of the weight)."
                 )
             reason = f"weight tied to {others[0]}"
-        elif not explicit and min(module.out_features, module.in_features) <= config.rank:
+        elif not explicit and not all_linear and min(module.out_features, module.in_features) <= config.rank:
             reason = f"smaller side <= rank {config.rank}"
         if reason is not None:
             report.skipped[name] = reason
             report.skipped_params += numel
+            if all_linear or (explicit and reason != "not in target_modules"):
+                report.matched_skipped.append(name)
         else:
             selected.append((name, module))
             report.targeted.append(name)

@@ -212,3 +212,30 @@ def test_finetune_extend_refuses_runs_of_other_settings(tmp_path):
     assert proc.returncode != 0
     assert "were made with rank=128, this invocation asks for rank=8" in proc.stderr
     assert not (tmp_path / "out" / "runs.jsonl").exists()  # nothing copied, nothing run
+
+
+def test_which_optimizer_tables_use_the_larger_peak_and_keep_adapters_out_of_the_summary():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import which_optimizer as which
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def entry(normal_gb, refresh_gb, traced=True, host=0):
+        return {"peak_bytes": int(normal_gb * 1e9), "refresh_peak_bytes": int(refresh_gb * 1e9), "traced": traced,
+                "host_state_bytes": host}  # fmt: skip
+
+    plans = {
+        "m": {
+            "methods": {
+                "galore_adamw": entry(20, 50),  # fits 80 only: its refresh step sets the peak
+                "adamw_8bit": entry(40, 40, traced=False),
+                "qlora": entry(7, 7, traced=False),  # adapters: in the table, not in the full-rank summary
+            }
+        }
+    }
+    rows = {line.split(" | ")[1]: line for line in which.table(plans).splitlines()[2:]}
+    assert rows["galore_adamw"].endswith("| 50.0 |  |  | yes | traced |")
+    assert rows["adamw_8bit"].endswith("| 40.0 |  | yes | yes | layout |")
+    summary = which.summary(plans).splitlines()[2]
+    assert summary == "| m | none (full-rank) | adamw_8bit 40.0 | adamw_8bit 40.0, galore_adamw 50.0 |"
