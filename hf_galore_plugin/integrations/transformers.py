@@ -43,7 +43,7 @@ from torch import nn
 from .. import api as _api
 from ..api import create_optimizer, galore_layers, load_galore_state_dict, merged_state_dict, prepare_model
 from ..config import GaLoreConfig
-from ..inject import plain_linear, swap_submodule
+from ..inject import plain_linear, restore_experts, swap_in_merged_experts, swap_submodule
 from ..registry import list_optimizer_entry_points, load_optimizer_preset
 from . import NO_PATCH_ENV
 from .chunked_loss import configure_trainer_loss
@@ -1180,6 +1180,7 @@ def _merged_linears(model: nn.Module) -> Iterator[dict[str, nn.Linear]]:
     """:func:`merged_view`, yielding the plain layers put in place of the GaLore layers (by layer name)."""
     merged = merged_state_dict(model)
     swapped, linears = [], {}
+    expert_swaps = swap_in_merged_experts(model, merged)  # the stock experts modules, merged, meanwhile
     for layer_name, layer in galore_layers(model):
         key = f"{layer_name}.weight"
         for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
@@ -1192,6 +1193,7 @@ def _merged_linears(model: nn.Module) -> Iterator[dict[str, nn.Linear]]:
     finally:
         for parent, child, layer in swapped:
             setattr(parent, child, layer)
+        restore_experts(expert_swaps)
 
 
 def patch_peft() -> None:

@@ -141,6 +141,39 @@ class StoredTensor:
             return self.load().dequantize(dtype)
         return reader.read(buffers, dtype)
 
+    def value_slice(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slice `index` along the first dimension in `dtype` (an expert's W0 in a stack of experts).
+
+        Quantized: only that slice's blocks are dequantized when the slice is a whole number of blocks
+        (codes and scales are flat, in row-major order, so slice `index` is one contiguous run of each);
+        otherwise the whole tensor is dequantized and indexed."""
+        if not self.quantized:
+            return self.value(dtype)[index]
+        reader = self._reader
+        if reader is None:
+            return self.value(dtype)[index]
+        per = reader.kwargs["numel"] // reader.shape[0]
+        block, bits = reader.kwargs["block_size"], reader.kwargs["bits"]
+        if per % block or (per * bits) % 8:
+            return self.value(dtype)[index]
+        buffers = self.module._buffers
+        codes_per = buffers[reader.codes].numel() // reader.shape[0]
+        blocks = per // block
+        zero_points = None if reader.zero_points is None else buffers[reader.zero_points]
+        if zero_points is not None:
+            zero_points = zero_points[index * blocks : (index + 1) * blocks]
+        flat = dequantize_stored(
+            buffers[reader.codes][index * codes_per : (index + 1) * codes_per],
+            buffers[reader.scales][index * blocks : (index + 1) * blocks],
+            zero_points,
+            dtype=dtype,
+            scheme=reader.kwargs["scheme"],
+            bits=bits,
+            block_size=block,
+            numel=per,
+        )
+        return flat.view(reader.shape[1:])
+
     def nbytes(self) -> int:
         """Bytes of the buffers that hold it."""
         tensors = [self.module._buffers[name] for name in self.buffer_names()]
