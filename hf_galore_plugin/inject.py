@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -307,9 +308,7 @@ def expert_layout_problem(module: nn.Module) -> str | None:
     return None
 
 
-def select_expert_targets(
-    model: nn.Module, config: GaLoreConfig, report: TargetReport
-) -> list[tuple[str, nn.Module]]:
+def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: TargetReport) -> list[tuple[str, nn.Module]]:
     """The experts modules of `model` to replace by :class:`GaLoreExperts` (with ``config.experts``); every
     experts module left out goes into `report` with its reason."""
     selected = []
@@ -355,12 +354,12 @@ def replace_targets(model: nn.Module, config: GaLoreConfig) -> TargetReport:
             object.__setattr__(layer, "_is_hf_initialized", True)
         layers.append(layer)
         swap_submodule(model, name, layers[-1])
-    for name, module in experts:
+    for name, experts_module in experts:
         # Seeds continue the linear layers' indices: two stacks (gate_up_proj, down_proj) per module.
-        replacement = GaLoreExperts(module, config, layer_index=len(layers))
+        replacement = GaLoreExperts(experts_module, config, layer_index=len(layers))
         for projection in EXPERT_PROJECTIONS:
             stack = getattr(replacement, projection)
-            if getattr(module, "_is_hf_initialized", False):
+            if getattr(experts_module, "_is_hf_initialized", False):
                 object.__setattr__(stack, "_is_hf_initialized", True)
             layers.append(stack)
         swap_submodule(model, name, replacement)
@@ -430,11 +429,11 @@ def swap_in_merged_experts(model: nn.Module, merged: dict[str, torch.Tensor]) ->
     """Put each GaLoreExperts module's stock experts module in its place, holding the merged weights of
     `merged` (keys as :func:`hf_galore_plugin.merged_state_dict` writes them); returns the swaps for
     :func:`restore_experts`."""
-    swaps = []
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
     keys = {id(layer): key for key, layer in iter_galore_layers_by_key(model)}
     for name, module in list(model.named_modules()):
         if isinstance(module, GaLoreExperts):
-            stock = module.stock
+            stock: Any = module.stock
             for projection in EXPERT_PROJECTIONS:
                 weight = merged[keys[id(getattr(module, projection))]]
                 stock._parameters[projection] = nn.Parameter(weight, requires_grad=False)

@@ -78,6 +78,7 @@ LAYERS_MODULES: dict[str, set[str]] = {
     "schedule": set(),
     "refresh": {"storage", "engines", "projection"},
     "linear": {"storage", "function", "schedule", "refresh", "config", "engines", "projection"},
+    "experts": {"storage", "function", "refresh", "linear", "config", "engines", "projection"},
     "": {"storage", "function", "schedule", "refresh", "linear"},
 }
 CORE = ("config", "quant", "projection", "loss", "layers", "inject", "optim", "kernels", "engines", "api")

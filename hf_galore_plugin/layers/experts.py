@@ -88,11 +88,11 @@ class GaLoreExpertStack(GaLoreLinear):
         self.right_rank = min(rank, n) if has_right else None
         self.left_identity = has_left and rank >= m
         self.right_identity = has_right and rank >= n
-        rows = self.left_rank if has_left else m
-        cols = self.right_rank if has_right else n
+        rows = self.left_rank if self.left_rank is not None else m
+        cols = self.right_rank if self.right_rank is not None else n
         device = weight.device
         self.galore_factor = nn.Parameter(torch.zeros(self.num_experts, rows, cols, device=device, dtype=weight.dtype))
-        self.bias = None
+        self.bias = None  # type: ignore[assignment]
         self._weight_store: Optional[StoredTensor] = None
         if config.weight_storage == "as_loaded":
             self.weight = nn.Parameter(weight.detach(), requires_grad=False)
@@ -129,6 +129,15 @@ class GaLoreExpertStack(GaLoreLinear):
         # The stock *Experts module holds the merged 3-D weight as the parameter named after the projection.
         return name
 
+    def _expert_refreshes(self) -> torch.Tensor:
+        """The buffer ``galore_expert_refreshes`` (E): refreshes that gave each expert a basis of its own."""
+        return self._buffers["galore_expert_refreshes"]  # type: ignore[return-value]
+
+    def _basis_value(self, side: str) -> torch.Tensor:
+        basis = self.basis(side, torch.float32)
+        assert basis is not None  # sides come from _basis_sides()
+        return basis
+
     def _check_factor_layout(self) -> None:
         expected = (
             self.num_experts,
@@ -147,7 +156,7 @@ class GaLoreExpertStack(GaLoreLinear):
 
     def reset_galore_state(self) -> None:
         super().reset_galore_state()
-        self.galore_expert_refreshes.zero_()
+        self._expert_refreshes().zero_()
         self._pending_tokens = None
 
     def initialize_base(self, init: Callable[[nn.Linear], None]) -> None:
@@ -219,7 +228,7 @@ class GaLoreExpertStack(GaLoreLinear):
             self._pending_grad[expert].addmm_(dy32.mT, x32)  # type: ignore[index]
             return
         record = self._pending_grad if isinstance(self._pending_grad, dict) else {}
-        for side, rank in self._basis_sides():
+        for side, _ in self._basis_sides():
             # One test matrix per side for all experts of the stack (drawn from the layer's seed and step).
             omega = self.sketch_test_matrix(side, device)
             if side not in record:
@@ -229,14 +238,14 @@ class GaLoreExpertStack(GaLoreLinear):
             record[side][expert] += sketch
         self._pending_grad = record
 
-    def refresh_record_nbytes(self) -> int:  # type: ignore[override]
+    def refresh_record_nbytes(self) -> int:
         return self.num_experts * _refresh_mod.refresh_record_nbytes(self)
 
-    def sketch_exchange_numel(self) -> int:  # type: ignore[override]
+    def sketch_exchange_numel(self) -> int:
         return self.refresh_record_nbytes() // 4
 
     # ------------------------------------------------------------------ the refresh
-    def refresh(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:  # type: ignore[override]
+    def refresh(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
         """Fold the factors into W0 and give every expert that received tokens in the recorded step a new
         basis from its own gradient; the others keep theirs. Returns the mean subspace similarity of the
         experts that were refreshed and had a basis before (NaN when none had)."""
@@ -252,13 +261,15 @@ class GaLoreExpertStack(GaLoreLinear):
         record, tokens = self._pending_grad, self._pending_tokens
         self._pending_grad, self._pending_tokens = None, None
         if record is None or tokens is None:
-            raise RuntimeError("GaLoreExpertStack.refresh() needs the gradient recorded during a refresh step's backward")
+            raise RuntimeError(
+                "GaLoreExpertStack.refresh() needs the gradient recorded during a refresh step's backward"
+            )
         # Data-parallel ranks routed different tokens: an expert counts as hit when any rank sent it tokens,
         # and its basis comes from the gradient averaged over the ranks (as for a linear layer).
         hit = (all_reduce_mean(tokens) > 0).tolist()
         config = self.config
         sides = self._basis_sides()
-        old = {side: self.basis(side, torch.float32).clone() for side, _ in sides}  # type: ignore[union-attr]
+        old = {side: self._basis_value(side).clone() for side, _ in sides}
         new = {side: basis.clone() for side, basis in old.items()}
         try:
             if isinstance(record, dict):
@@ -286,11 +297,11 @@ class GaLoreExpertStack(GaLoreLinear):
             return None
         del record
         first = not self.calibrated
-        had_basis = (self.galore_expert_refreshes > 0).tolist()
+        had_basis = (self._expert_refreshes() > 0).tolist()
         _refresh_mod.fold_factor_into_base(self, optimizer)
         for side, basis in new.items():
             self._set_basis(side, basis)
-        stored = {side: self.basis(side, torch.float32) for side in new}
+        stored = {side: self._basis_value(side) for side in new}
         refreshed = [e for e in range(self.num_experts) if hit[e]]
         compared = [e for e in refreshed if had_basis[e]]
         similarity = float("nan")
@@ -299,7 +310,7 @@ class GaLoreExpertStack(GaLoreLinear):
                 subspace_similarity(old[side][e], stored[side][e]) for side in stored for e in compared
             ) / (len(compared) * len(stored))
             _refresh_mod._update_lazy_gap(self, similarity)
-        self.galore_last_similarity.fill_(similarity)
+        self._buffers["galore_last_similarity"].fill_(similarity)  # type: ignore[union-attr]
         if optimizer is not None:
             self._update_moments(optimizer, first, hit, old, stored)
         kept = self.num_experts - len(refreshed)
@@ -311,13 +322,12 @@ class GaLoreExpertStack(GaLoreLinear):
                 self.counter("galore_step"),
                 kept,
                 self.num_experts,
-                f" ({never} have none yet: their factors get no gradient until a refresh step routes tokens to "
-                "them)"
+                f" ({never} have none yet: their factors get no gradient until a refresh step routes tokens to them)"
                 if never
                 else "",
             )
-        hit_mask = torch.tensor(hit, device=self.galore_expert_refreshes.device)
-        self.galore_expert_refreshes.add_(hit_mask.to(torch.int64))
+        refreshes = self._expert_refreshes()
+        refreshes.add_(torch.tensor(hit, device=refreshes.device).to(torch.int64))
         self._set_counter("galore_last_refresh", self.counter("galore_step"))
         self._add_counter("galore_num_refreshes")
         return similarity
@@ -376,7 +386,8 @@ class GaLoreExpertStack(GaLoreLinear):
 
     def state_nbytes(self) -> dict[str, int]:
         nbytes = super().state_nbytes()
-        nbytes["basis"] += self.galore_expert_refreshes.numel() * self.galore_expert_refreshes.element_size()
+        refreshes = self._expert_refreshes()
+        nbytes["basis"] += refreshes.numel() * refreshes.element_size()
         return nbytes
 
 
@@ -389,9 +400,12 @@ class GaLoreExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, config: GaLoreConfig, *, layer_index: int = 0) -> None:
         super().__init__()
-        self.num_experts = int(experts.gate_up_proj.shape[0])
-        self.gate_up_proj = GaLoreExpertStack(experts.gate_up_proj, config, layer_index=layer_index)
-        self.down_proj = GaLoreExpertStack(experts.down_proj, config, layer_index=layer_index + 1)
+        gate_up, down = experts._parameters["gate_up_proj"], experts._parameters["down_proj"]
+        if gate_up is None or down is None:
+            raise ValueError(f"{type(experts).__name__} holds no gate_up_proj and down_proj expert parameters")
+        self.num_experts = int(gate_up.shape[0])
+        self.gate_up_proj = GaLoreExpertStack(gate_up, config, layer_index=layer_index)
+        self.down_proj = GaLoreExpertStack(down, config, layer_index=layer_index + 1)
         # The stock module keeps its activation and gate function, not its expert weights (W0 lives in the
         # stacks now); it is not a submodule, so its tensors are not the model's.
         for name in EXPERT_PROJECTIONS:
@@ -426,7 +440,8 @@ class GaLoreExperts(nn.Module):
         if apply_gate is not None:
             return apply_gate(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.stock.act_fn(gate) * up
+        stock: Any = self.stock
+        return stock.act_fn(gate) * up
 
     @torch.no_grad()
     def merged_module(self) -> nn.Module:

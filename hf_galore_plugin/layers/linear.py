@@ -177,7 +177,9 @@ class GaLoreLinear(nn.Module):
 
         self._init_step_state(config, layer_index, device, base_is_meta=weight.is_meta)
 
-    def _init_step_state(self, config: GaLoreConfig, layer_index: int, device: torch.device, *, base_is_meta: bool) -> None:
+    def _init_step_state(
+        self, config: GaLoreConfig, layer_index: int, device: torch.device, *, base_is_meta: bool
+    ) -> None:
         """The layer's schedule state (counters, their host copies, alpha, the step clock), shared by every
         GaLore layer kind (GaLoreLinear, the expert stacks of :mod:`.experts`)."""
 

@@ -156,15 +156,16 @@ class StoredTensor:
         block, bits = reader.kwargs["block_size"], reader.kwargs["bits"]
         if per % block or (per * bits) % 8:
             return self.value(dtype)[index]
-        buffers = self.module._buffers
-        codes_per = buffers[reader.codes].numel() // reader.shape[0]
+        buffers: dict[str, Any] = self.module._buffers
+        codes, scales = buffers[reader.codes], buffers[reader.scales]
+        codes_per = codes.numel() // reader.shape[0]
         blocks = per // block
         zero_points = None if reader.zero_points is None else buffers[reader.zero_points]
         if zero_points is not None:
             zero_points = zero_points[index * blocks : (index + 1) * blocks]
         flat = dequantize_stored(
-            buffers[reader.codes][index * codes_per : (index + 1) * codes_per],
-            buffers[reader.scales][index * blocks : (index + 1) * blocks],
+            codes[index * codes_per : (index + 1) * codes_per],
+            scales[index * blocks : (index + 1) * blocks],
             zero_points,
             dtype=dtype,
             scheme=reader.kwargs["scheme"],
