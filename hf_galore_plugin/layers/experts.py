@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
 from ..engines.collectives import all_reduce_mean, full_tensor
@@ -266,7 +267,9 @@ class GaLoreExpertStack(GaLoreLinear):
             )
         # Data-parallel ranks routed different tokens: an expert counts as hit when any rank sent it tokens,
         # and its basis comes from the gradient averaged over the ranks (as for a linear layer).
-        hit = (all_reduce_mean(tokens) > 0).tolist()
+        fake = is_fake(tokens)
+        # Under fake tensors (the memory planner) every expert counts as routed to (even routing).
+        hit = [True] * self.num_experts if fake else (all_reduce_mean(tokens) > 0).tolist()
         config = self.config
         sides = self._basis_sides()
         old = {side: self._basis_value(side).clone() for side, _ in sides}
@@ -297,7 +300,7 @@ class GaLoreExpertStack(GaLoreLinear):
             return None
         del record
         first = not self.calibrated
-        had_basis = (self._expert_refreshes() > 0).tolist()
+        had_basis = [not first] * self.num_experts if fake else (self._expert_refreshes() > 0).tolist()
         _refresh_mod.fold_factor_into_base(self, optimizer)
         for side, basis in new.items():
             self._set_basis(side, basis)
@@ -391,6 +394,12 @@ class GaLoreExpertStack(GaLoreLinear):
         return nbytes
 
 
+def _even_split(total: int, parts: int) -> list[int]:
+    """`total` items over `parts` parts, as evenly as they go (the first ones one more)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
 class GaLoreExperts(nn.Module):
     """Stands in for a transformers ``*Experts`` module (gated: ``gate_up_proj`` then ``down_proj``) whose
     expert weights are trained by GaLore: one :class:`GaLoreExpertStack` per projection, under the
@@ -422,7 +431,12 @@ class GaLoreExperts(nn.Module):
             # (token, expert) pairs sorted by expert (stable: tokens in order within an expert); an index of
             # num_experts or more (a slot routed to no local expert) sorts last and is dropped.
             order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+            if is_fake(flat):
+                # Shapes only (the memory planner): routing is data, so the pairs are taken as spread evenly
+                # over the experts; the branch's tensors hold the same N * top_k rows in all.
+                counts = _even_split(flat.numel(), num_experts)
+            else:
+                counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
             used = sum(counts)
             order = order[:used]
             tokens = order // top_k
