@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..config import GaLoreConfig
 from ..engines.collectives import all_reduce_mean, full_tensor
 from ..engines.contract import gathered_parameters
+from ..engines.contract import param_changed as _param_changed
 from ..engines.contract import reset_state as _reset_state
 from ..engines.contract import transform_state as _transform_state
 from ..projection import BasisError, basis_from_sketch, compute_basis, resolve_sides, subspace_similarity
@@ -47,7 +48,7 @@ from ..projection import transport_matrix
 from . import refresh as _refresh_mod
 from .function import galore_linear
 from .linear import GaLoreLinear
-from .storage import StoredTensor
+from .storage import StoredTensor, stochastic_round_to_bf16
 
 __all__ = ["GaLoreExpertStack", "GaLoreExperts", "EXPERT_PROJECTIONS"]
 
@@ -301,7 +302,7 @@ class GaLoreExpertStack(GaLoreLinear):
         del record
         first = not self.calibrated
         had_basis = [not first] * self.num_experts if fake else (self._expert_refreshes() > 0).tolist()
-        _refresh_mod.fold_factor_into_base(self, optimizer)
+        self.fold_factor_into_base(optimizer)
         for side, basis in new.items():
             self._set_basis(side, basis)
         stored = {side: self._basis_value(side) for side in new}
@@ -386,6 +387,41 @@ class GaLoreExpertStack(GaLoreLinear):
         if p is not None:
             delta = p @ delta
         return delta.mul_(self.config.scale)
+
+    @torch.no_grad()
+    def fold_factor_into_base(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """W0_e <- alpha * W0_e + scale * lowrank(B_e) for every expert, one expert at a time (a refresh
+        holds one expert's m x n fp32 temporaries, not the stack's), then alpha <- 1 and B <- 0: the
+        effective weights are unchanged (up to the rounding of a quantized or bf16 W0)."""
+        self._check_factor_layout()
+        factor = full_tensor(self.galore_factor.detach())
+        p, q = self.basis("left", torch.float32), self.basis("right", torch.float32)
+        weight = self.weight
+        store = self._weight_store
+        stochastic = self.config.stochastic_rounding
+        error_sq = norm_sq = 0.0
+        for expert in range(self.num_experts):
+            delta = factor[expert].to(torch.float32)
+            if q is not None:
+                delta = delta @ q[expert].mT
+            if p is not None:
+                delta = p[expert] @ delta
+            if weight is not None:
+                merged = weight[expert].to(torch.float32) * self._alpha + delta * self.config.scale
+                if weight.dtype == torch.bfloat16 and stochastic:
+                    merged = stochastic_round_to_bf16(merged, self._next_generator(merged.device))
+                weight[expert].copy_(merged)
+            else:
+                assert store is not None
+                merged = store.value_slice(expert, torch.float32) * self._alpha + delta * self.config.scale
+                generator = self._next_generator(merged.device) if stochastic else None
+                err, norm = store.store_slice(expert, merged, generator=generator)
+                error_sq, norm_sq = error_sq + err, norm_sq + norm
+        if store is not None and norm_sq > 0:
+            store.error = (error_sq / norm_sq) ** 0.5
+        self._reset_base()
+        self.galore_factor.detach().zero_()
+        _param_changed(optimizer, self.galore_factor)
 
     def state_nbytes(self) -> dict[str, int]:
         nbytes = super().state_nbytes()
