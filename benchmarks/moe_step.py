@@ -88,9 +88,7 @@ def main() -> None:
         for name in order:
             times[name].append(step(name))
     median = {name: statistics.median(values) for name, values in times.items()}
-    ratios = {
-        name: statistics.median(a / b for a, b in zip(times[name], times["unprojected"])) for name in variants
-    }
+    ratios = {name: statistics.median(a / b for a, b in zip(times[name], times["unprojected"])) for name in variants}
     print(
         f"tiny Qwen3-MoE: hidden {args.hidden}, {args.experts} experts (top {args.top_k}, moe_intermediate "
         f"{args.moe_intermediate}), {args.layers} layers, {args.batch} x {args.seq_len} tokens, preset {args.preset}, "

@@ -357,3 +357,34 @@ def test_ddp_two_ranks_with_experts_match_single_process(tmp_path):
         elif not value.is_floating_point():  # counters, per-expert refresh counts
             assert torch.equal(got, value), key
     assert one["experts"]["model.layers.0.mlp.experts.down_proj.galore_num_refreshes"] == 3
+
+
+def test_planner_traces_projected_experts(tmp_path):
+    import json
+
+    from hf_galore_plugin.plan import estimate
+
+    fields = dict(
+        model_type="qwen3_moe", vocab_size=128, hidden_size=HIDDEN, intermediate_size=128,
+        moe_intermediate_size=MOE_INTERMEDIATE, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    plans = {
+        flag: estimate(
+            config=str(tmp_path / "config.json"),
+            methods=["galore_adamw"],
+            seq_len=32,
+            rank=8,
+            optim_args=f"experts={flag},expert_rank=4",
+            full_trace=True,
+            device="cpu",
+        )["methods"]["galore_adamw"]  # fmt: skip
+        for flag in ("false", "true")
+    }
+    # fp32 Adam state, two moments of 4 bytes per value: unprojected, of the 3-D expert weights; projected, of
+    # the factors (right bases: E x 64 x 4 for gate_up_proj (64 x 64) and for down_proj (64 x 32), 2 layers).
+    expert_values = 2 * EXPERTS * (2 * MOE_INTERMEDIATE * HIDDEN + HIDDEN * MOE_INTERMEDIATE)
+    factor_values = 2 * EXPERTS * (2 * MOE_INTERMEDIATE * 4 + HIDDEN * 4)
+    state = {flag: plan["parts"]["optimizer_state"] for flag, plan in plans.items()}
+    assert state["false"] - state["true"] == 8 * (expert_values - factor_values)

@@ -36,7 +36,9 @@ def build():
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config)
-    return prepare_model(model, GaLoreConfig(rank=8, expert_rank=4, experts=True, update_proj_gap=3, moment_handling="reset"))
+    return prepare_model(
+        model, GaLoreConfig(rank=8, expert_rank=4, experts=True, update_proj_gap=3, moment_handling="reset")
+    )
 
 
 def main(out: str) -> None:
