@@ -75,9 +75,10 @@ class GaLoreExpertStack(GaLoreLinear):
             )
         if not weight.is_floating_point():
             raise TypeError(f"GaLoreExpertStack needs a floating-point weight, got {weight.dtype}")
-        if getattr(weight, "ds_numel", weight.numel()) != weight.numel():
+        partitioned = getattr(weight, "ds_numel", weight.numel())
+        if partitioned != weight.numel():
             raise RuntimeError(
-                f"GaLoreExpertStack: the expert weight ({weight.ds_numel} values) is partitioned by DeepSpeed "
+                f"GaLoreExpertStack: the expert weight ({partitioned} values) is partitioned by DeepSpeed "
                 "ZeRO-3 (zero.Init); prepare the model before partitioning it"
             )
         self.config = config
