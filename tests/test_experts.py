@@ -388,3 +388,27 @@ def test_planner_traces_projected_experts(tmp_path):
     factor_values = 2 * EXPERTS * (2 * MOE_INTERMEDIATE * 4 + HIDDEN * 4)
     state = {flag: plan["parts"]["optimizer_state"] for flag, plan in plans.items()}
     assert state["false"] - state["true"] == 8 * (expert_values - factor_values)
+
+
+def test_trainer_resume_with_experts_is_bit_exact(tmp_path):
+    from conftest import logged_losses, token_data, training_args
+
+    import hf_galore_plugin  # noqa: F401  (registers the optimizer names)
+
+    def run(output_dir, resume=None):
+        args = training_args(
+            output_dir, optim="qgalore_adamw_8bit", optim_args="rank=8,update_proj_gap=3,experts=true,expert_rank=4",
+            max_steps=8, save_strategy="steps", save_steps=4,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=qwen3_moe(), args=args, train_dataset=token_data(vocab=128))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    assert any(isinstance(m, GaLoreExperts) for m in full.model.modules())
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-4"))
+    assert logged_losses(resumed) == logged_losses(full) and len(logged_losses(full)) == 8
+    full_state, resumed_state = full.model.state_dict(), resumed.model.state_dict()
+    assert full_state.keys() == resumed_state.keys()
+    for key in full_state:
+        assert torch.equal(full_state[key], resumed_state[key]), key
