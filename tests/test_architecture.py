@@ -84,6 +84,7 @@ LAYERS_MODULES: dict[str, set[str]] = {
     "schedule": set(),
     "refresh": {"storage", "engines", "projection", "config"},
     "linear": {"storage", "function", "schedule", "refresh", "config", "engines", "projection"},
+    "experts": {"storage", "function", "refresh", "linear", "config", "engines", "projection"},
     "": {"storage", "function", "schedule", "refresh", "linear"},
 }
 # The modules of the `integrations` package, each with the modules of the package it may import (by their
