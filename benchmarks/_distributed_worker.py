@@ -147,7 +147,7 @@ def build_model() -> nn.Module:
 
         galore_config = hgp.GaLoreConfig.preset(
             METHOD, rank=RANK, update_proj_gap=GAP, basis_method=BASIS, refresh_schedule=SCHEDULE,
-            target_modules="all-linear",
+            target_modules=None,
         )  # fmt: skip
         model = hgp.prepare_model(model, galore_config)
     return model

@@ -29,17 +29,60 @@ import ctypes
 import dataclasses
 import gc
 import json
+import logging
 import math
 import os
 import pathlib
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Iterable, Optional
 
 import torch
 
 import hf_galore_plugin  # noqa: F401  registers optim="galore_adamw" / "galore_adamw_8bit" / "qgalore_adamw_8bit"
+
+
+class BnbCpuKernelNotice(logging.Filter):
+    """Drops one bitsandbytes record from the demo's console, and nothing else.
+
+    ``transformers.trainer`` imports peft, and peft imports bitsandbytes whenever it is installed
+    (``peft.helpers``). On a CPU with AVX512-BF16, bitsandbytes' CPU backend then tries to fetch its 4-bit
+    GEMM from the Hugging Face hub (``kernels`` package, ``kernels-community``) at import, and logs a warning
+    when that fails (offline, or ``kernels`` not installed). The demo never runs a bitsandbytes 4-bit matmul
+    (its Q-GaLore weights are this package's NF4, its LoRA base is unquantized), so the notice is not about
+    anything the demo does. The filter sits on that one logger and matches that one message: any other
+    bitsandbytes record still shows.
+    """
+
+    LOGGER = "bitsandbytes.backends.cpu.ops"
+    PREFIX = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.PREFIX)
+
+
+def quiet_bitsandbytes_cpu_kernel_notice() -> None:
+    """Install :class:`BnbCpuKernelNotice` (before anything imports bitsandbytes; idempotent)."""
+    target = logging.getLogger(BnbCpuKernelNotice.LOGGER)
+    if not any(isinstance(f, BnbCpuKernelNotice) for f in target.filters):
+        target.addFilter(BnbCpuKernelNotice())
+
+
+def name_the_cpu_to_deepspeed() -> None:
+    """Without a GPU, tell DeepSpeed it runs on the CPU (``DS_ACCELERATOR=cpu``, its documented override).
+
+    transformers imports DeepSpeed whenever it is installed; DeepSpeed then probes for an accelerator and,
+    finding none, logs "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
+    detect it." Naming the CPU makes the same choice without the notice. With a GPU nothing is set, and a
+    DS_ACCELERATOR the user set is kept."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+quiet_bitsandbytes_cpu_kernel_notice()
+name_the_cpu_to_deepspeed()
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TRAIN_TEXT = REPO / "data" / "shakespeare.txt"
@@ -179,7 +222,11 @@ def wrap_lora(model):
         modules_to_save=["embed_tokens", "lm_head"],
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft (0.21) asks the model `is_gradient_checkpointing`, which transformers 5.x deprecates in favour of
+        # `is_activation_checkpointing`: a FutureWarning about peft's call, not about anything the demo does
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, config)
     for name, param in model.named_parameters():
         if "norm" in name:
             param.requires_grad_(True)

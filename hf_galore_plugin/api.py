@@ -487,7 +487,7 @@ def merged_state_dict(
         prefix = f"{name}." if name else ""
         for key in layer.state_dict(keep_vars=True):
             state_dict.pop(prefix + key, None)
-        state_dict[prefix + "weight"] = layer.effective_weight(layer.weight_dtype)
+        state_dict[layer.merged_weight_key(name)] = layer.effective_weight(layer.weight_dtype)
         if layer.bias is not None:
             state_dict[prefix + "bias"] = layer.bias.detach()
     return state_dict

@@ -151,7 +151,8 @@ class GaLoreConfig:
     )
     target_modules: Optional[Union[list, str]] = _help(
         "Which nn.Linear layers to train with GaLore: None (every nn.Linear except the output head and "
-        "layers whose smaller side <= rank), 'all-linear', a list of name suffixes, or a regex string "
+        "layers whose smaller side <= rank), 'all-linear' (every nn.Linear, an untied output head included, "
+        "as transformers' optim_target_modules='all-linear' selects), a list of name suffixes, or a regex string "
         "matched with re.fullmatch against the module name.",
         default=None,
     )
@@ -159,6 +160,19 @@ class GaLoreConfig:
         "Module-name suffixes never targeted, a list or one name (default: the output head, found by the "
         "model's get_output_embeddings(), or a layer named 'lm_head').",
         default=None,
+    )
+    experts: bool = _help(
+        "Also train the fused expert weights of mixture-of-experts models (transformers' *Experts modules: one "
+        "3-D parameter per projection, e.g. gate_up_proj (num_experts x 2*moe_intermediate x hidden)) with "
+        "GaLore, one basis and factor per expert at rank expert_rank. False: they stay plain parameters of the "
+        "optimizer (dense Adam state). Routers stay dense either way.",
+        default=False,
+    )
+    expert_rank: int = _help(
+        "Rank of each expert's basis when experts=True (experts are small matrices, e.g. 768 x 2048 in "
+        "Qwen3-30B-A3B, and there are thousands of them: the attention rank would make their factors alone "
+        "billions of values).",
+        default=32,
     )
     lr_scale: float = _help(
         "Learning rate multiplier of the GaLore groups applied by the integration (0.8-0.9 of the user's).",
@@ -213,6 +227,7 @@ class GaLoreConfig:
             "weight_group_size",
             "basis_group_size",
             "chunked_loss_tokens",
+            "expert_rank",
         ):
             value = getattr(self, name)
             if value is None and name in _OPTIONAL_INTS:
@@ -278,6 +293,10 @@ class GaLoreConfig:
             value = getattr(self, name)
             if value is not None and (value < 32 or value > 4096 or value & (value - 1)):
                 raise bad(name, "use a power of two between 32 and 4096")
+        if not isinstance(self.experts, bool):
+            raise TypeError(f"GaLoreConfig.experts must be a bool, got {self.experts!r}")
+        if self.expert_rank < 1:
+            raise bad("expert_rank", "use a positive rank, e.g. expert_rank=32")
         if not isinstance(self.chunked_loss, bool):
             raise TypeError(f"GaLoreConfig.chunked_loss must be a bool, got {self.chunked_loss!r}")
         if self.chunked_loss_tokens is not None:

@@ -2,12 +2,21 @@
 
 Targets are plain trainable ``nn.Linear`` layers only: never embeddings, norms, biases, frozen layers
 (a QLoRA 4-bit base, a peft base layer), peft's LoRA adapter layers, or the output head by default.
+``target_modules="all-linear"`` selects what transformers' ``optim_target_modules="all-linear"`` selects:
+every ``nn.Linear`` whose weight is its own parameter, the untied output head included (a head tied to the
+input embedding is left out, as transformers leaves it: its weight is named as the embedding's). A layer
+a target pattern (or "all-linear") matched but that is not projected is named, with the reason, in the
+summary line.
+With ``GaLoreConfig.experts`` also the fused expert weights of mixture-of-experts models (3-D
+parameters of transformers' ``*Experts`` modules, :data:`EXPERT_FAMILIES` and :func:`expert_layout_problem`),
+replaced by :class:`~hf_galore_plugin.layers.experts.GaLoreExperts`; routers stay dense.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +24,7 @@ from torch import nn
 
 from .config import GaLoreConfig
 from .layers import GaLoreLinear
+from .layers.experts import EXPERT_PROJECTIONS, GaLoreExperts
 from .layers.schedule import StepClock, assign_refresh_phases
 
 logger = logging.getLogger(__name__)
@@ -27,6 +37,10 @@ __all__ = [
     "iter_galore_layers",
     "swap_submodule",
     "plain_linear",
+    "EXPERT_FAMILIES",
+    "expert_parameters",
+    "expert_layout_problem",
+    "select_expert_targets",
 ]
 
 # peft names its adapter sub-modules lora_A / lora_B / lora_embedding_* / lora_magnitude_vector ...
@@ -42,16 +56,55 @@ class TargetReport:
     targeted_params: int = 0
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> reason
     skipped_params: int = 0
+    matched_skipped: list[str] = field(default_factory=list)  # a target pattern matched, not projected
+
+    # names listed per reason in the summary; the rest are counted (all of them: ``skipped``)
+    MAX_NAMED = 8
+    # Mixture-of-experts models: expert modules projected (GaLoreConfig.experts), and those left to plain
+    # optimizer state with the reason; model_params is the model's parameter count (their share's base).
+    experts: list[str] = field(default_factory=list)
+    expert_params: int = 0
+    expert_rank: int = 0
+    unprojected_experts: dict[str, str] = field(default_factory=dict)
+    unprojected_expert_params: int = 0
+    model_params: int = 0
 
     def summary(self) -> str:
         reasons: dict[str, int] = {}
         for reason in self.skipped.values():
             reasons[reason] = reasons.get(reason, 0) + 1
         why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "none"
-        return (
+        line = (
             f"GaLore targets {len(self.targeted)} nn.Linear layers ({self.targeted_params:,} weight parameters); "
             f"skipped {len(self.skipped)} ({self.skipped_params:,} parameters): {why}"
         )
+        if self.matched_skipped:
+            by_reason: dict[str, list[str]] = {}
+            for name in self.matched_skipped:
+                by_reason.setdefault(self.skipped[name], []).append(name)
+            named = []
+            for reason, names in sorted(by_reason.items()):
+                more = f" +{len(names) - self.MAX_NAMED} more" if len(names) > self.MAX_NAMED else ""
+                named.append(f"{', '.join(names[: self.MAX_NAMED])}{more} ({reason})")
+            line += f"; matched by target_modules but not projected: {'; '.join(named)}"
+        if self.experts:
+            line += (
+                f"; experts: {len(self.experts)} expert modules ({self.expert_params:,} parameters) at "
+                f"expert_rank {self.expert_rank}"
+            )
+        if self.unprojected_experts:
+            share = self.unprojected_expert_params / max(self.model_params, 1)
+            kinds: dict[str, int] = {}
+            for reason in self.unprojected_experts.values():
+                kinds[reason] = kinds.get(reason, 0) + 1
+            because = ", ".join(f"{n} {r}" for r, n in sorted(kinds.items()))
+            line += (
+                f"; {len(self.unprojected_experts)} expert modules ({self.unprojected_expert_params:,} parameters, "
+                f"{share:.0%} of the model) are not projected and keep plain optimizer state ({because})"
+            )
+            if any(reason == "experts=False" for reason in self.unprojected_experts.values()):
+                line += ": set experts=True (optim_args experts=true) to train them with GaLore"
+        return line
 
 
 def _output_head_names(model: nn.Module) -> set[str]:
@@ -109,6 +162,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
     """The (name, module) pairs to replace, and a report of what was skipped and why."""
     report = TargetReport()
     explicit = config.target_modules not in (None, "all-linear")
+    all_linear = config.target_modules == "all-linear"
     heads = _output_head_names(model)
     excluded = list(config.exclude_modules or [])
     selected: list[tuple[str, nn.Linear]] = []
@@ -134,7 +188,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             reason = "quantized or non-standard weight"
         elif explicit and not _matches(name, config.target_modules):
             reason = "not in target_modules"
-        elif not explicit and _is_head(name, heads):
+        elif not explicit and not all_linear and _is_head(name, heads):
             reason = "output head"
         elif any(name == e or name.endswith("." + e) for e in excluded):
             reason = "in exclude_modules"
@@ -149,11 +203,13 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
                     "untie the model first (config.tie_word_embeddings=False and a separate copy of the weight)."
                 )
             reason = f"weight tied to {others[0]}"
-        elif not explicit and min(module.out_features, module.in_features) <= config.rank:
+        elif not explicit and not all_linear and min(module.out_features, module.in_features) <= config.rank:
             reason = f"smaller side <= rank {config.rank}"
         if reason is not None:
             report.skipped[name] = reason
             report.skipped_params += numel
+            if all_linear or (explicit and reason != "not in target_modules"):
+                report.matched_skipped.append(name)
         else:
             selected.append((name, module))
             report.targeted.append(name)
@@ -205,10 +261,111 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
     return selected, report
 
 
+# transformers MoE families whose *Experts module has the layout GaLoreExperts computes (gated, gate and up
+# concatenated in gate_up_proj (E x 2I x H), down_proj (E x H x I), no bias, not transposed), checked
+# against transformers 5.24. Other modules are recognised by the rule of expert_parameters and
+# expert_layout_problem: the same layout, read from the flags transformers' use_experts_implementation
+# sets on every experts class.
+EXPERT_FAMILIES: dict[str, str] = {
+    "Qwen3MoeExperts": "Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B)",
+    "MixtralExperts": "Mixtral (8x7B, 8x22B)",
+    "OlmoeExperts": "OLMoE (1B-7B)",
+}
+_NUM_EXPERTS_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _num_experts(module: nn.Module) -> int | None:
+    for owner in (module, getattr(module, "config", None)):
+        for attr in _NUM_EXPERTS_ATTRS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The fused expert weights `module` registers itself: 3-D parameters whose first dimension is its
+    number of experts (its ``num_experts`` / ``num_local_experts`` attribute, or its config's). Empty for
+    anything else (a router's weight is 2-D)."""
+    count = _num_experts(module)
+    if count is None:
+        return {}
+    return {
+        name: param
+        for name, param in module._parameters.items()
+        if param is not None and param.ndim == 3 and param.shape[0] == count
+    }
+
+
+def expert_layout_problem(module: nn.Module) -> str | None:
+    """Why :class:`GaLoreExperts` cannot stand in for the experts module `module` (None: it can)."""
+    params = expert_parameters(module)
+    if set(params) != set(EXPERT_PROJECTIONS):
+        return f"expert parameters {sorted(params)}, not gate_up_proj and down_proj"
+    flags = {
+        "is_transposed": False,
+        "has_bias": False,
+        "has_gate": True,
+        "is_concatenated": True,
+        "has_post_expert_norm": False,
+        "_is_expert_parallel": False,
+    }
+    for flag, supported in flags.items():
+        if getattr(module, flag, supported) != supported:
+            return f"layout {flag}={getattr(module, flag)!r}"
+    count, up, down = params["gate_up_proj"].shape
+    if up % 2 or tuple(params["down_proj"].shape) != (count, down, up // 2):
+        return (
+            f"shapes gate_up_proj {tuple(params['gate_up_proj'].shape)} and down_proj "
+            f"{tuple(params['down_proj'].shape)} are not (E, 2I, H) and (E, H, I)"
+        )
+    if getattr(module, "act_fn", None) is None and getattr(module, "_apply_gate", None) is None:
+        return "no act_fn or _apply_gate"
+    for param in params.values():
+        if not param.requires_grad:
+            return "frozen"
+        if not param.is_floating_point() or not _is_plain_parameter(param):
+            return "quantized or non-standard weight"
+    return None
+
+
+def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: TargetReport) -> list[tuple[str, nn.Module]]:
+    """The experts modules of `model` to replace by :class:`GaLoreExperts` (with ``config.experts``); every
+    experts module left out goes into `report` with its reason."""
+    selected = []
+    excluded = list(config.exclude_modules or [])
+    for name, module in model.named_modules():
+        params = expert_parameters(module)
+        if not params:
+            continue
+        numel = sum(p.numel() for p in params.values())
+        problem = expert_layout_problem(module)
+        if not config.experts:
+            reason = "experts=False"
+        elif problem is not None:
+            reason = f"unsupported: {problem}"
+        elif _ADAPTER_NAME.search(name):
+            reason = "adapter"
+        elif any(name == e or name.endswith("." + e) for e in excluded):
+            reason = "in exclude_modules"
+        else:
+            selected.append((name, module))
+            report.experts.append(name)
+            report.expert_params += numel
+            continue
+        report.unprojected_experts[name] = reason
+        report.unprojected_expert_params += numel
+    report.expert_rank = config.expert_rank
+    report.model_params = sum(p.numel() for p in model.parameters())
+    return selected
+
+
 def replace_targets(model: nn.Module, config: GaLoreConfig) -> TargetReport:
-    """Replace every selected nn.Linear of `model` by a GaLoreLinear, in place."""
+    """Replace every selected nn.Linear of `model` by a GaLoreLinear, in place; with ``config.experts`` every
+    supported experts module by a GaLoreExperts."""
     selected, report = select_targets(model, config)
-    layers = []
+    experts = select_expert_targets(model, config, report)
+    layers: list[GaLoreLinear] = []
     for index, (name, module) in enumerate(selected):
         # One at a time: a quantized W0 replaces the original weight before the next layer is built.
         layer = GaLoreLinear(module, config, layer_index=index)
@@ -218,6 +375,15 @@ def replace_targets(model: nn.Module, config: GaLoreConfig) -> TargetReport:
             object.__setattr__(layer, "_is_hf_initialized", True)
         layers.append(layer)
         swap_submodule(model, name, layers[-1])
+    for name, experts_module in experts:
+        # Seeds continue the linear layers' indices: two stacks (gate_up_proj, down_proj) per module.
+        replacement = GaLoreExperts(experts_module, config, layer_index=len(layers))
+        for projection in EXPERT_PROJECTIONS:
+            stack = getattr(replacement, projection)
+            if getattr(experts_module, "_is_hf_initialized", False):
+                object.__setattr__(stack, "_is_hf_initialized", True)
+            layers.append(stack)
+        swap_submodule(model, name, replacement)
     assign_refresh_phases(layers)
     logger.info(report.summary())
     return report
@@ -284,9 +450,39 @@ def plain_linear(layer: GaLoreLinear, weight: torch.Tensor, *, requires_grad: bo
     return linear
 
 
+def swap_in_merged_experts(model: nn.Module, merged: dict[str, torch.Tensor]) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Put each GaLoreExperts module's stock experts module in its place, holding the merged weights of
+    `merged` (keys as :func:`hf_galore_plugin.merged_state_dict` writes them); returns the swaps for
+    :func:`restore_experts`."""
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    keys = {id(layer): key for key, layer in iter_galore_layers_by_key(model)}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GaLoreExperts):
+            stock: Any = module.stock
+            for projection in EXPERT_PROJECTIONS:
+                weight = merged[keys[id(getattr(module, projection))]]
+                stock._parameters[projection] = nn.Parameter(weight, requires_grad=False)
+            swaps.append((*swap_submodule(model, name, stock), module))
+    return swaps
+
+
+def restore_experts(swaps: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    """Undo :func:`swap_in_merged_experts`: the GaLoreExperts modules back, the stock modules emptied."""
+    for parent, child, module in swaps:
+        setattr(parent, child, module)
+        for projection in EXPERT_PROJECTIONS:
+            module.stock._parameters[projection] = None  # type: ignore[union-attr]
+    if swaps:
+        StepClock.generation += 1
+
+
 @torch.no_grad()
 def unload(model: nn.Module) -> nn.Module:
-    """Replace every GaLoreLinear by a plain nn.Linear holding the merged weight (dtype as loaded)."""
+    """Replace every GaLoreLinear by a plain nn.Linear holding the merged weight (dtype as loaded), and every
+    GaLoreExperts module by the stock experts module holding the merged 3-D weights."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GaLoreExperts):
+            swap_submodule(model, name, module.merged_module())
     for name, layer in list(iter_galore_layers(model)):
         swap_submodule(model, name, plain_linear(layer, layer.effective_weight(layer.weight_dtype)))
     return model

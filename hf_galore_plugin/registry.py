@@ -15,7 +15,23 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "hf_galore_plugin.optimizers"
 
-__all__ = ["ENTRY_POINT_GROUP", "OptimizerEntryPointError", "list_optimizer_entry_points", "load_optimizer_preset"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "LAYERWISE_ALIASES",
+    "OptimizerEntryPointError",
+    "list_optimizer_entry_points",
+    "load_optimizer_preset",
+]
+
+# transformers' layerwise GaLore names -> the name whose preset serves them. transformers' layerwise mode
+# steps each parameter in a gradient hook so that no full set of dense gradients exists at once; the
+# plugin's step never holds a dense gradient of a GaLore layer (its trainable factor is rank-sized), so the
+# ordinary optimizer gives that memory benefit and keeps gradient accumulation, DDP and clipping, which the
+# layerwise mode refuses. A name is served this way only while the plugin serves the name it maps to.
+LAYERWISE_ALIASES = {
+    "galore_adamw_layerwise": "galore_adamw",
+    "galore_adamw_8bit_layerwise": "galore_adamw_8bit",
+}
 
 
 class OptimizerEntryPointError(RuntimeError):
@@ -39,10 +55,12 @@ def list_optimizer_entry_points() -> dict[str, EntryPoint]:
 
 
 def load_optimizer_preset(name: str):
-    """Load entry point `name` and call it; returns the preset's GaLoreConfig."""
+    """Load entry point `name` (or the one a layerwise alias maps to) and call it; returns its GaLoreConfig."""
     from .config import GaLoreConfig
 
     eps = list_optimizer_entry_points()
+    if name not in eps and LAYERWISE_ALIASES.get(name) in eps:
+        name = LAYERWISE_ALIASES[name]
     if name not in eps:
         raise KeyError(
             f"unknown optimizer {name!r}; installed names are {sorted(eps)} (entry point group {ENTRY_POINT_GROUP!r})"

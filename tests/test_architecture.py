@@ -84,6 +84,7 @@ LAYERS_MODULES: dict[str, set[str]] = {
     "schedule": set(),
     "refresh": {"storage", "engines", "projection", "config"},
     "linear": {"storage", "function", "schedule", "refresh", "config", "engines", "projection"},
+    "experts": {"storage", "function", "refresh", "linear", "config", "engines", "projection"},
     "": {"storage", "function", "schedule", "refresh", "linear"},
 }
 # The modules of the `integrations` package, each with the modules of the package it may import (by their
@@ -95,8 +96,9 @@ INTEGRATIONS_MODULES: dict[str, set[str]] = {
     "chunked_loss": set(),
     "common": set(),
     "distributed": set(),
+    "layerwise": set(),
     "patching": {""},
-    "names": {"common", "distributed", "optim_args", "patching"},
+    "names": {"common", "distributed", "layerwise", "optim_args", "patching"},
     "saving": {"common", "distributed", "names", "patching"},
     "engine_resume": {"common", "distributed", "names", "patching"},
     "loading": {"common", "engine_resume", "names", "patching", "saving"},

@@ -241,3 +241,30 @@ def test_step_spikes_quick_sees_every_calibration_and_refresh_of_a_cycle(tmp_pat
         assert sum(s["refreshed"] for s in steps if s["step"] >= gap) == row["layers"], row["config"]
         assert row["worst_ratio"] >= 1.0 and row["ordinary_steps"] == sum(not s["refreshed"] for s in steps)
     assert "| qgalore_adamw_8bit |" in (tmp_path / "step_spikes.md").read_text()
+
+
+def test_which_optimizer_tables_use_the_larger_peak_and_keep_adapters_out_of_the_summary():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import which_optimizer as which
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def entry(normal_gb, refresh_gb, traced=True, host=0):
+        return {"peak_bytes": int(normal_gb * 1e9), "refresh_peak_bytes": int(refresh_gb * 1e9), "traced": traced,
+                "host_state_bytes": host}  # fmt: skip
+
+    plans = {
+        "m": {
+            "methods": {
+                "galore_adamw": entry(20, 50),  # fits 80 only: its refresh step sets the peak
+                "adamw_8bit": entry(40, 40, traced=False),
+                "qlora": entry(7, 7, traced=False),  # adapters: in the table, not in the full-rank summary
+            }
+        }
+    }
+    rows = {line.split(" | ")[1]: line for line in which.table(plans).splitlines()[2:]}
+    assert rows["galore_adamw"].endswith("| 50.0 |  |  | yes | traced |")
+    assert rows["adamw_8bit"].endswith("| 40.0 |  | yes | yes | layout |")
+    summary = which.summary(plans).splitlines()[2]
+    assert summary == "| m | none (full-rank) | adamw_8bit 40.0 | adamw_8bit 40.0, galore_adamw 50.0 |"

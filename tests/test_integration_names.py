@@ -57,6 +57,8 @@ def test_names_are_real_enum_members():
         "galore_adamw": "takeover",
         "galore_adamw_8bit": "takeover",
         "qgalore_adamw_8bit": "added",
+        "galore_adamw_layerwise": "layerwise",
+        "galore_adamw_8bit_layerwise": "layerwise",
     }
     member = OptimizerNames("qgalore_adamw_8bit")
     assert member is OptimizerNames.QGALORE_ADAMW_8BIT is OptimizerNames["QGALORE_ADAMW_8BIT"]
@@ -219,10 +221,65 @@ def test_get_optimizer_cls_and_kwargs_serves_plugin_names_and_passes_others_thro
     assert plain_cls is torch.optim.AdamW
 
 
-def test_layerwise_variants_are_refused(tmp_path):
-    args = _args(tmp_path, optim="galore_adamw_layerwise", optim_target_modules=["up"])
-    with pytest.raises(ValueError, match="layerwise.*HF_GALORE_PLUGIN_NO_TAKEOVER"):
-        Trainer(model=_TinyMLP(), args=args)
+@pytest.mark.parametrize(
+    "name, base", [("galore_adamw_layerwise", "galore_adamw"), ("galore_adamw_8bit_layerwise", "galore_adamw_8bit")]
+)
+def test_layerwise_names_get_the_plugins_optimizer(tmp_path, caplog, name, base):
+    # oracle: the kwargs the base name gets for the same arguments
+    model = _TinyMLP()
+    with caplog.at_level("WARNING", logger="hf_galore_plugin.integrations.layerwise"):
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(
+            _args(tmp_path, optim=name, optim_target_modules=["up"], optim_args="rank=8"), model
+        )
+    assert cls is GaLoreOptimizerFactory
+    assert kwargs["galore_config"] == GaLoreConfig.preset(
+        base, rank=8, target_modules=kwargs["galore_config"].target_modules
+    )
+    _, base_kwargs = Trainer.get_optimizer_cls_and_kwargs(
+        _args(tmp_path, optim=base, optim_target_modules=["up"], optim_args="rank=8"), _TinyMLP()
+    )
+    assert kwargs["galore_config"] == base_kwargs["galore_config"]
+    lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(lines) <= 1  # logged once per process: absent when an earlier test logged it
+    if lines:
+        assert "never holds a dense gradient" in lines[0] and "HF_GALORE_PLUGIN_NO_TAKEOVER" in lines[0]
+
+
+def test_layerwise_note_is_one_line_and_replaces_the_takeover_line():
+    out = _run(
+        """
+        import logging, torch
+        import hf_galore_plugin
+        from transformers import Trainer, TrainingArguments
+        logging.basicConfig(level=logging.WARNING, format="%(name)s|%(message)s")
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+        for _ in range(2):
+            args = TrainingArguments("out", optim="galore_adamw_layerwise", optim_target_modules=["0"],
+                                     optim_args="rank=8", report_to=[], use_cpu=True)
+            Trainer.get_optimizer_cls_and_kwargs(args, model)
+        """
+    )
+    lines = [line for line in out.stderr.splitlines() if "galore_adamw" in line]
+    assert len(lines) == 1, out.stderr
+    assert "never holds a dense gradient" in lines[0] and "gradient accumulation, DDP and gradient clipping" in lines[0]
+
+
+def test_no_takeover_leaves_the_layerwise_names_to_transformers():
+    out = _run(
+        """
+        import torch
+        import hf_galore_plugin
+        from transformers import Trainer, TrainingArguments
+        from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+        args = TrainingArguments("out", optim="galore_adamw_layerwise", optim_target_modules=["0"],
+                                 report_to=[], use_cpu=True)
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        print(cls is LayerWiseDummyOptimizer)
+        """,
+        env={**ENV, "HF_GALORE_PLUGIN_NO_TAKEOVER": "1"},
+    )
+    assert out.stdout.split()[-1] == "True"
 
 
 def test_deepspeed_optimizer_block_is_refused():

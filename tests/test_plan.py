@@ -202,3 +202,53 @@ def test_cli_rejects_config_that_is_not_a_causal_lm(tmp_path, capsys):
     assert main(["--config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "not a causal language model" in err and len(err.splitlines()) == 1
+
+
+def _layout_state_bytes(method: str, shapes: list[tuple[str, tuple[int, ...]]], rank: int) -> int:
+    """Each competitor's optimizer state of a bf16 model, from the layout its paper / package documents."""
+    total = 0
+    for name, shape in shapes:
+        n = 1
+        for side in shape:
+            n *= side
+        dense = 2 * 2 * n  # two bf16 moments
+        if method in ("adamw_torchao_8bit", "adamw_torchao_4bit"):
+            bits, block = (8, 256) if method.endswith("8bit") else (4, 128)
+            total += 2 * (n * bits // 8 + 4 * (n // block)) if n >= 4096 and n % block == 0 else dense
+        elif method == "flash_adamw":
+            total += 3 * n + 2 * 2 * -(-n // 32)
+        elif method == "apollo_adamw":
+            decoder_linear = ".layers." in name and name.endswith("proj.weight")
+            if decoder_linear:
+                rows, cols = shape
+                total += 2 * 2 * max(rows, cols) * rank + 2 * rank * min(rows, cols)
+            else:
+                total += dense
+    return total
+
+
+def test_competitor_layouts_for_llama_2_7b(capsys):
+    from transformers import AutoModelForCausalLM
+
+    from hf_galore_plugin.plan import load_config
+
+    methods = ["adamw_torchao_8bit", "adamw_torchao_4bit", "flash_adamw", "apollo_adamw"]
+    assert main(["--model", "llama-2-7b", "--methods", ",".join(methods), "--seq-len", "128", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert list(plan["methods"]) == methods
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config("llama-2-7b"), torch_dtype=torch.bfloat16)
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    params = plan["params"]
+    for name in methods:
+        m = plan["methods"][name]
+        assert m["traced"] is False and m["notes"]
+        # the peak (backward of step 1) holds the whole state, as the layout gives it
+        assert m["parts"]["optimizer_state"] == _layout_state_bytes(name, shapes, plan["settings"]["rank"]), name
+        assert 0 <= m["parts"]["weights"] - 2 * params <= 4096  # bf16 weights (and the rotary buffer)
+    flash = plan["methods"]["flash_adamw"]
+    # FlashOptim's 7 bytes per parameter (16-bit weight and gradient, 3 bytes of state + its scales), 5 without
+    # the gradient
+    assert 7 <= (flash["parts"]["weights"] + flash["parts"]["grads"] + flash["parts"]["optimizer_state"]) / params < 7.2
+    assert flash["gradient_release_peak_bytes"] == flash["peak_bytes"] - flash["parts"]["grads"]
+    assert flash["parts"]["grads"] == 2 * params

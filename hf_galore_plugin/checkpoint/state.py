@@ -63,6 +63,8 @@ FIXED_FIELDS = (
     "state_block_size",
     "error_feedback",
     "target_modules",
+    "experts",
+    "expert_rank",
     "exclude_modules",
     "seed",
 )

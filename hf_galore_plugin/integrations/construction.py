@@ -17,7 +17,7 @@ from ..config import GaLoreConfig
 from ..layers import GaLoreLinear
 from .chunked_loss import configure_trainer_loss
 from ..state import state_of
-from .names import check_layerwise, galore_config_for, prepare_model_for_trainer, served_name
+from .names import galore_config_for, prepare_model_for_trainer, served_name
 from .patching import mark
 
 __all__ = ["check_training_args", "wrap_init", "wrap_initialize_weights"]
@@ -49,7 +49,6 @@ def wrap_init(original: Callable) -> Callable:
         except TypeError:
             return original(self, *args, **kwargs)  # let the Trainer report the bad call
         training_args = bound.arguments.get("args")
-        check_layerwise(training_args)
         name = served_name(getattr(training_args, "optim", None))
         if name is None:
             _check_foreign_optimizer(bound.arguments, training_args)

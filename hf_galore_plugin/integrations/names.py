@@ -30,6 +30,7 @@ from ..engines.fsdp1 import fsdp1_units
 from ..registry import list_optimizer_entry_points, load_optimizer_preset
 from ..state import state_of
 from .distributed import prepare_zero3_model
+from .layerwise import layerwise_served, log_layerwise
 from .optim_args import config_from_training_args
 from .patching import check_transformers_version, internals_missing, mark, patch_lock
 
@@ -42,7 +43,6 @@ __all__ = [
     "served_name",
     "trainer_optimizer_name",
     "galore_config_for",
-    "check_layerwise",
     "prepare_model_for_trainer",
     "register_optimizer_names",
     "optimizer_handler_table",
@@ -51,16 +51,13 @@ __all__ = [
 ]
 
 NO_TAKEOVER_ENV = "HF_GALORE_PLUGIN_NO_TAKEOVER"
-# transformers' per-layer (layerwise) low-rank variants: they hook a separate optimizer on every
-# parameter and cannot drive the plugin's reparametrized layers.
-_LAYERWISE_NAMES = ("galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise")
 
-_served: dict[str, str] = {}  # optimizer name -> "added" | "takeover"
+_served: dict[str, str] = {}  # optimizer name -> "added" | "takeover" | "layerwise" (integrations/layerwise.py)
 _takeover_logged = False
 
 
 def served_optimizer_names() -> dict[str, str]:
-    """The optimizer names the plugin serves: name -> 'added' (new member) or 'takeover'."""
+    """The optimizer names the plugin serves: name -> 'added' (new member), 'takeover' or 'layerwise'."""
     return dict(_served)
 
 
@@ -136,6 +133,7 @@ def register_optimizer_names() -> None:
                 _served[name] = "added"
             elif takeover:
                 _served[name] = "takeover"
+        _served.update(layerwise_served(_served, enum_cls._value2member_map_))
 
 
 def galore_config_for(args: Any, name: Optional[str] = None) -> GaLoreConfig:
@@ -149,18 +147,6 @@ def galore_config_for(args: Any, name: Optional[str] = None) -> GaLoreConfig:
         optim_target_modules=args.optim_target_modules,
         optimizer_name=name,
     )
-
-
-def check_layerwise(args: Any) -> None:
-    """Refuse transformers' layerwise GaLore names while the plugin serves the plain ones (takeover)."""
-    value = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
-    if value in _LAYERWISE_NAMES and any(kind == "takeover" for kind in _served.values()):
-        raise ValueError(
-            f"optim={value!r} is transformers' layerwise GaLore (galore-torch), which cannot be combined with "
-            f"hf_galore_plugin (it serves {sorted(_served)}). Use optim='galore_adamw' or 'galore_adamw_8bit': "
-            "the plugin keeps only low-rank optimizer state, so no per-layer optimizer is needed. To use "
-            f"transformers' implementation instead, set {NO_TAKEOVER_ENV}=1."
-        )
 
 
 def _linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -222,7 +208,7 @@ def _galore_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module], name
     global _takeover_logged
     if model is None:
         raise ValueError(f"optim={name!r} needs the model: Trainer.get_optimizer_cls_and_kwargs(args, model)")
-    if _served[name] == "takeover" and not _takeover_logged:
+    if not log_layerwise(name, NO_TAKEOVER_ENV) and _served[name] == "takeover" and not _takeover_logged:
         _takeover_logged = True
         logger.warning(
             "optim=%r is served by hf_galore_plugin, not by transformers' galore-torch integration "

@@ -26,7 +26,7 @@ from ..api import galore_layers, merged_state_dict
 from ..checkpoint.files import checkpoint_write_error, fsync_folder, fsync_path
 from ..checkpoint.manifest import MANIFEST_NAME, remove_stale_temporaries, write_manifest
 from ..checkpoint.state import GALORE_STATE_NAME, save_galore_checkpoint
-from ..inject import plain_linear, state_dict_name, swap_submodule
+from ..inject import plain_linear, restore_experts, state_dict_name, swap_in_merged_experts, swap_submodule
 from ..state import GaLoreState, state_of
 from .common import checkpoint_folder, latest_complete_checkpoint
 from .distributed import gathered_galore_state_dict, merged_state_dict_from
@@ -224,15 +224,17 @@ def merged_linears(model: nn.Module) -> Iterator[dict[str, nn.Linear]]:
     """:func:`merged_view`, yielding the plain layers put in place of the GaLore layers (by layer name)."""
     merged = merged_state_dict(model)
     swapped, linears = [], {}
-    for layer_name, layer in galore_layers(model):
-        linear = plain_linear(layer, merged[f"{state_dict_name(layer_name)}.weight"], requires_grad=False)
-        linears[layer_name] = linear
-        swapped.append((*swap_submodule(model, layer_name, linear), layer))
+    expert_swaps = swap_in_merged_experts(model, merged)  # the stock experts modules, merged, meanwhile
     try:
+        for layer_name, layer in galore_layers(model):
+            linear = plain_linear(layer, merged[f"{state_dict_name(layer_name)}.weight"], requires_grad=False)
+            linears[layer_name] = linear
+            swapped.append((*swap_submodule(model, layer_name, linear), layer))
         yield linears
     finally:
         for parent, child, layer in swapped:
             setattr(parent, child, layer)
+        restore_experts(expert_swaps)
 
 
 def wrap_save_pretrained(original: Callable) -> Callable:

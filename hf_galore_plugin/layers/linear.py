@@ -185,6 +185,14 @@ class GaLoreLinear(nn.Module):
                 )
                 self._set_basis(side, torch.zeros(dim, rank, device=device, dtype=torch.float32))
 
+        self._init_step_state(config, layer_index, device, base_is_meta=weight.is_meta)
+
+    def _init_step_state(
+        self, config: GaLoreConfig, layer_index: int, device: torch.device, *, base_is_meta: bool
+    ) -> None:
+        """The layer's schedule state (counters, their host copies, alpha, the step clock), shared by every
+        GaLore layer kind (GaLoreLinear, the expert stacks of :mod:`.experts`)."""
+
         def buf(value, dtype):
             return torch.tensor(value, dtype=dtype, device=device)
 
@@ -229,10 +237,10 @@ class GaLoreLinear(nn.Module):
         self._layer_index = layer_index
         # Built on the meta device: after to_empty() every buffer holds uninitialised memory until
         # reset_galore_state() (create_optimizer calls it) or a load of the layer's own state.
-        self._built_on_meta = weight.is_meta
+        self._built_on_meta = base_is_meta
         # Whether W0 holds values after to_empty(): set by a load of the weight and by initialize_base
         # (create_optimizer refuses a materialised layer without either).
-        self._base_initialised = not weight.is_meta
+        self._base_initialised = not base_is_meta
         # A new layer has no basis yet: it records on its first step (known without reading a buffer,
         # which on the meta device would fail).
         self._refresh_due_cache: Optional[bool] = self.needs_basis
@@ -258,7 +266,8 @@ class GaLoreLinear(nn.Module):
             ("right", self.in_features, self.right_rank, self.right_identity),
         ):
             if rank is not None and not identity:
-                self._set_basis(side, torch.zeros(dim, rank, device=self.galore_factor.device, dtype=torch.float32))
+                shape = self._basis_shape(dim, rank)
+                self._set_basis(side, torch.zeros(shape, device=self.galore_factor.device, dtype=torch.float32))
         self._reset_base()
         self._set_counter("galore_step", 0)
         self._set_counter("galore_last_refresh", -1)
@@ -272,6 +281,14 @@ class GaLoreLinear(nn.Module):
         self._pending_grad = None
         self._update_refresh_due()
         self._built_on_meta = False
+
+    def _basis_shape(self, dim: int, rank: int) -> tuple[int, ...]:
+        """The shape of a basis of a side of dimension `dim` (an expert stack adds the expert dimension)."""
+        return (dim, rank)
+
+    def merged_weight_key(self, name: str) -> str:
+        """The state-dict key of the merged weight of the layer at module path `name` (nn.Linear's)."""
+        return f"{name}.weight" if name else "weight"
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -144,6 +144,82 @@ class StoredTensor:
             return self.load().dequantize(dtype)
         return reader.read(buffers, dtype)
 
+    def store_slice(
+        self, index: int, value: torch.Tensor, *, generator: Optional[torch.Generator] = None
+    ) -> tuple[float, float]:
+        """Write slice `index` along the first dimension (an expert's W0 in a stack of experts), quantizing
+        only that slice's blocks when it is a whole number of them (otherwise the whole tensor is read,
+        changed and stored). Returns (squared error, squared norm) of the slice's quantization (0, 0 for a
+        plain store), from which the caller forms the tensor's relative error."""
+        if not self.quantized:
+            buffer = self.module._buffers[self.name]
+            assert buffer is not None
+            buffer[index].copy_(value)
+            return 0.0, 0.0
+        reader = self._reader
+        per = value.numel()
+        if reader is None or per % reader.kwargs["block_size"] or per * reader.shape[0] != reader.kwargs["numel"]:
+            whole = self.value(torch.float32)
+            whole[index] = value
+            self.store(whole, generator=generator)
+            return 0.0, 0.0
+        from ..quant import quantize
+
+        scheme, bits = QUANT_SCHEMES[self.storage]
+        qt = quantize(
+            value,
+            scheme=scheme,
+            bits=bits,
+            block_size=self.group_size,
+            stochastic=generator is not None,
+            generator=generator,
+        )
+        tensors, _ = qt.to_state()
+        buffers: dict[str, Any] = self.module._buffers
+        for part, tensor in tensors.items():
+            target = buffers[f"{self.name}_{part}"]
+            count = tensor.numel()
+            target[index * count : (index + 1) * count].copy_(tensor.reshape(-1))
+        if value.is_meta:
+            return 0.0, 0.0
+        exact = value.to(torch.float32)
+        error = (qt.dequantize(torch.float32) - exact).square().sum()
+        return float(error), float(exact.square().sum())
+
+    def value_slice(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slice `index` along the first dimension in `dtype` (an expert's W0 in a stack of experts).
+
+        Quantized: only that slice's blocks are dequantized when the slice is a whole number of blocks
+        (codes and scales are flat, in row-major order, so slice `index` is one contiguous run of each);
+        otherwise the whole tensor is dequantized and indexed."""
+        if not self.quantized:
+            return self.value(dtype)[index]
+        reader = self._reader
+        if reader is None:
+            return self.value(dtype)[index]
+        per = reader.kwargs["numel"] // reader.shape[0]
+        block, bits = reader.kwargs["block_size"], reader.kwargs["bits"]
+        if per % block or (per * bits) % 8:
+            return self.value(dtype)[index]
+        buffers: dict[str, Any] = self.module._buffers
+        codes, scales = buffers[reader.codes], buffers[reader.scales]
+        codes_per = codes.numel() // reader.shape[0]
+        blocks = per // block
+        zero_points = None if reader.zero_points is None else buffers[reader.zero_points]
+        if zero_points is not None:
+            zero_points = zero_points[index * blocks : (index + 1) * blocks]
+        flat = dequantize_stored(
+            codes[index * codes_per : (index + 1) * codes_per],
+            scales[index * blocks : (index + 1) * blocks],
+            zero_points,
+            dtype=dtype,
+            scheme=reader.kwargs["scheme"],
+            bits=bits,
+            block_size=block,
+            numel=per,
+        )
+        return flat.view(reader.shape[1:])
+
     def nbytes(self) -> int:
         """Bytes of the buffers that hold it."""
         tensors = [self.module._buffers[name] for name in self.buffer_names()]

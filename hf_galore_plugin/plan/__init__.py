@@ -9,8 +9,9 @@
 The real transformers model code and each method's real code (this package's layers, quantized
 storage and AdamW; torch AdamW; galore-torch) run under ``FakeTensorMode``, and a dispatch mode
 counts live tensor bytes (see ``plan.trace``). bitsandbytes' 8-bit AdamW, LoRA and QLoRA cannot
-run under fake tensors: their state follows their documented layout (``traced: false``), the rest
-of their step (model, activations) is traced.
+run under fake tensors, and torchao's low-bit AdamW, FlashOptim and APOLLO are not installed here: their
+state follows their documented layout (``traced: false``; ``plan.layouts``), the rest of their step
+(model, activations, gradients) is traced.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ __all__ = ["estimate", "PlanError", "MODEL_NAMES", "METHODS", "GPU_SIZES_GB"]
 
 _MODELS_FILE = pathlib.Path(__file__).with_name("models.json")
 METHODS = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora", "galore_adamw", "galore_adamw_8bit",
-           "qgalore_adamw_8bit")  # fmt: skip
+           "qgalore_adamw_8bit", "adamw_torchao_8bit", "adamw_torchao_4bit", "flash_adamw", "apollo_adamw")  # fmt: skip
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
 GPU_SIZES_GB = (24, 40, 48, 80, 141)
 
@@ -216,6 +217,8 @@ def estimate(
             entry[f"{key}peak_phase"] = peak.phase
             if not key:
                 entry["largest_tensors"] = peak.largest
+        if name == "flash_adamw":  # its gradient-release mode steps inside backward: no gradient is held
+            entry["gradient_release_peak_bytes"] = entry["peak_bytes"] - entry["parts"]["grads"]
         entry["fits_gpus_gb"] = [
             g for g in GPU_SIZES_GB if max(entry["peak_bytes"], entry["refresh_peak_bytes"]) <= g * 10**9
         ]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layouts import LAYOUT_METHODS, layout_optimizer
 from .tracker import LiveBytes
 
 __all__ = ["StepPeak", "MethodTrace", "trace_method", "build_fake_model", "DTYPES"]
@@ -220,8 +221,8 @@ class Settings:
 
 
 OUR_METHODS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
-NO_REFRESH = ("adamw_torch", "adamw_8bit", "lora", "qlora")
-BASELINES = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora")
+NO_REFRESH = ("adamw_torch", "adamw_8bit", "lora", "qlora", *LAYOUT_METHODS)
+BASELINES = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora", *LAYOUT_METHODS)
 LR = 1e-4
 
 
@@ -241,6 +242,11 @@ def _setup(method: str, model: nn.Module, settings: Settings):
         # 256-value block, 32-bit state below 4096 values (min_8bit_size), a fused in-place kernel.
         optimizer = AdamW(model.parameters(), lr=LR, state_bits=8, block_size=256, min_8bit_numel=4096)
         notes.append("bitsandbytes layout (2 B/value + fp32 absmax per 256), stepped by this package's AdamW")
+        return optimizer, (lambda: None), False, notes
+    if method in LAYOUT_METHODS:
+        targets = {id(m.weight) for _, m in _decoder_linears(model)}
+        optimizer, note = layout_optimizer(method, list(model.parameters()), lr=LR, targets=targets, rank=settings.rank)
+        notes.append(note)
         return optimizer, (lambda: None), False, notes
     if method == "galore_torch":
         from galore_torch import GaLoreAdamW

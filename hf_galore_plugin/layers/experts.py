@@ -1,0 +1,507 @@
+"""GaLore for the fused expert weights of mixture-of-experts models.
+
+transformers (5.x) keeps the experts of an MoE block in one ``*Experts`` module (``Qwen3MoeExperts``,
+``MixtralExperts``, ``OlmoeExperts``, ...) with one 3-D parameter per projection: ``gate_up_proj``
+(E x 2I x H) and ``down_proj`` (E x H x I), slice e being expert e's ``nn.Linear`` weight (out x in).
+Each slice is a linear map, so GaLore applies to it as to an ``nn.Linear``:
+
+    W_e = alpha * W0_e + scale * B_e Q_e^T     (right basis; left: scale * P_e B_e)
+
+with one basis and one factor per expert, stacked along the expert dimension:
+:class:`GaLoreExpertStack` holds W0 (E x m x n: plain, INT8 or NF4), the bases (E x dim x r) and the
+factor (E x m x r or E x r x n: one ``nn.Parameter``, stepped by the package's AdamW like a linear
+layer's factor), with a :class:`~.linear.GaLoreLinear`'s counters, schedule and state-dict layout (it
+is a subclass: the step driver, checkpoints, weight decay and the planner treat it as one more layer).
+:class:`GaLoreExperts` replaces the ``*Experts`` module and keeps its forward signature
+``(hidden_states, top_k_index, top_k_weights)``, so the model's sparse-MoE block and router are untouched.
+
+Forward and backward: the (token, expert) pairs are sorted by expert once per block; each expert that
+received tokens runs :func:`~.function.galore_linear` on its rows (the linear layer's own per-step
+code, so the expert's output, gradient and update equal a ``GaLoreLinear`` with the same W0 and basis),
+and the factor enters the graph through one ``unbind``, whose backward stacks the experts' factor
+gradients into one E x (factor) tensor. No expert's m x n weight gradient is formed on a normal step.
+
+Refresh: a refresh step records, per expert, the gradient (or sketch) of the tokens routed to it, and
+how many tokens it received. Each expert that received tokens gets a new basis from its own record;
+an expert that received none in the recorded step keeps its basis (the refresh log says how many).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from ..config import GaLoreConfig
+from ..engines.collectives import all_reduce_mean, full_tensor
+from ..engines.contract import gathered_parameters
+from ..engines.contract import param_changed as _param_changed
+from ..engines.contract import reset_state as _reset_state
+from ..engines.contract import transform_state as _transform_state
+from ..projection import BasisError, basis_from_sketch, compute_basis, resolve_sides, subspace_similarity
+from ..projection import transport_matrix
+from . import refresh as _refresh_mod
+from .function import galore_linear
+from .linear import GaLoreLinear
+from .storage import StoredTensor, stochastic_round_to_bf16
+
+__all__ = ["GaLoreExpertStack", "GaLoreExperts", "EXPERT_PROJECTIONS"]
+
+logger = logging.getLogger(__name__)
+
+# The projections of a gated expert block, in the order the forward applies them.
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+class GaLoreExpertStack(GaLoreLinear):
+    """E linear maps of shape m x n (one per expert), trained by GaLore with one basis and factor each.
+
+    Built from the 3-D expert parameter `weight` (E x m x n, each slice an ``nn.Linear`` weight: out x in).
+    Buffers and parameters keep :class:`GaLoreLinear`'s names with an expert dimension in front
+    (``weight`` or ``weight_q_*``, ``galore_factor``, ``galore_basis_<side>``), plus
+    ``galore_expert_refreshes`` (E: how many refreshes gave each expert a basis from its own tokens).
+    """
+
+    def __init__(self, weight: torch.Tensor, config: GaLoreConfig, *, layer_index: int = 0) -> None:
+        nn.Module.__init__(self)
+        if weight.ndim != 3:
+            raise TypeError(
+                f"GaLoreExpertStack wraps a 3-D expert parameter (experts x out x in), got shape {tuple(weight.shape)}"
+            )
+        if not weight.is_floating_point():
+            raise TypeError(f"GaLoreExpertStack needs a floating-point weight, got {weight.dtype}")
+        partitioned = getattr(weight, "ds_numel", weight.numel())
+        if partitioned != weight.numel():
+            raise RuntimeError(
+                f"GaLoreExpertStack: the expert weight ({partitioned} values) is partitioned by DeepSpeed "
+                "ZeRO-3 (zero.Init); prepare the model before partitioning it"
+            )
+        self.config = config
+        self.num_experts, m, n = (int(size) for size in weight.shape)
+        self.in_features, self.out_features = n, m
+        self.weight_dtype = weight.dtype
+        rank = config.expert_rank
+        has_left, has_right = resolve_sides(config.proj_type, m, n)
+        self.left_rank = min(rank, m) if has_left else None
+        self.right_rank = min(rank, n) if has_right else None
+        self.left_identity = has_left and rank >= m
+        self.right_identity = has_right and rank >= n
+        rows = self.left_rank if self.left_rank is not None else m
+        cols = self.right_rank if self.right_rank is not None else n
+        device = weight.device
+        self.galore_factor = nn.Parameter(torch.zeros(self.num_experts, rows, cols, device=device, dtype=weight.dtype))
+        self.bias = None
+        self._weight_store: Optional[StoredTensor] = None
+        if config.weight_storage == "as_loaded":
+            self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        else:
+            self.register_parameter("weight", None)
+            self._weight_store = StoredTensor(
+                self, "weight_q", config.weight_storage, group_size=config.effective_weight_group_size
+            )
+            self._store_weight(weight.detach())
+        self._bases: dict[str, Optional[StoredTensor]] = {"left": None, "right": None}
+        for side, side_rank, identity, dim in (
+            ("left", self.left_rank, self.left_identity, m),
+            ("right", self.right_rank, self.right_identity, n),
+        ):
+            if side_rank is not None and not identity:
+                self._bases[side] = StoredTensor(
+                    self,
+                    f"galore_basis_{side}",
+                    config.basis_storage,
+                    group_size=config.effective_basis_group_size,
+                    dtype=self.weight_dtype,
+                )
+                self._set_basis(side, torch.zeros(self._basis_shape(dim, side_rank), device=device))
+        self._init_step_state(config, layer_index, device, base_is_meta=weight.is_meta)
+        self.register_buffer("galore_expert_refreshes", torch.zeros(self.num_experts, dtype=torch.int64, device=device))
+        # Tokens each expert received in the recorded step (with _pending_grad; never in a checkpoint).
+        self._pending_tokens: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ layout
+    def _basis_shape(self, dim: int, rank: int) -> tuple[int, ...]:
+        return (self.num_experts, dim, rank)
+
+    def merged_weight_key(self, name: str) -> str:
+        # The stock *Experts module holds the merged 3-D weight as the parameter named after the projection.
+        return name
+
+    def _expert_refreshes(self) -> torch.Tensor:
+        """The buffer ``galore_expert_refreshes`` (E): refreshes that gave each expert a basis of its own."""
+        return self._buffers["galore_expert_refreshes"]  # type: ignore[return-value]
+
+    def _basis_value(self, side: str) -> torch.Tensor:
+        basis = self.basis(side, torch.float32)
+        assert basis is not None  # sides come from _basis_sides()
+        return basis
+
+    def _check_factor_layout(self) -> None:
+        expected = (
+            self.num_experts,
+            self.left_rank or self.out_features,
+            self.right_rank or self.in_features,
+        )
+        if tuple(self.galore_factor.shape) != expected:
+            raise RuntimeError(
+                f"GaLore expert factor has shape {tuple(self.galore_factor.shape)}, expected {expected}: an engine "
+                "holds it as a flat shard (FSDP1, DeepSpeed ZeRO-3), which expert layers do not support yet; train "
+                "MoE experts with GaLore in a single process or under DDP"
+            )
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, " + super().extra_repr().replace(", bias=False", "")
+
+    def reset_galore_state(self) -> None:
+        super().reset_galore_state()
+        self._expert_refreshes().zero_()
+        self._pending_tokens = None
+
+    def initialize_base(self, init: Callable[[nn.Linear], None]) -> None:
+        raise NotImplementedError(
+            "GaLore expert layers cannot be initialised after to_empty() (a model prepared on the meta device): "
+            "prepare the MoE model with experts=True after its weights are loaded or initialised"
+        )
+
+    def discard_recorded_gradient(self) -> None:
+        super().discard_recorded_gradient()
+        self._pending_tokens = None
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:  # type: ignore[override]
+        """The outputs of rows `x` (N x n) sorted by expert, `counts[e]` rows for expert e (sum N)."""
+        if len(counts) != self.num_experts:
+            raise ValueError(f"counts has {len(counts)} entries for {self.num_experts} experts")
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        left, right = self._bases["left"], self._bases["right"]
+        p = None if left is None else left.value(dtype)
+        q = None if right is None else right.value(dtype)
+        factors = self.galore_factor.unbind(0)
+        weight = self.weight
+        record = self.refresh_due
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = x[start : start + count]
+            start += count
+            outputs.append(
+                galore_linear(
+                    rows,
+                    factors[expert],
+                    None,
+                    None if weight is None else weight[expert],
+                    functools.partial(self._expert_weight, expert),
+                    None if p is None else p[expert],
+                    None if q is None else q[expert],
+                    self._alpha,
+                    self.config.scale,
+                    functools.partial(self._record_expert, expert) if record else None,
+                )
+            )
+        if not outputs:
+            return x.new_zeros(0, self.out_features)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._weight_store.value_slice(expert, dtype)  # type: ignore[union-attr]
+
+    def expert_weight(self, expert: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Expert `expert`'s effective weight alpha * W0_e + scale * lowrank(B_e) (m x n, fp32 by default)."""
+        return self.effective_weight(dtype)[expert]
+
+    # ------------------------------------------------------------------ refresh records
+    def _record_expert(self, expert: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """Add the gradient (or sketches) of expert `expert`'s rows of this micro-batch to the record."""
+        device = dy.device
+        if self._pending_tokens is None:
+            self._pending_tokens = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+        self._pending_tokens[expert] += dy.shape[0]
+        dy32, x32 = dy.to(torch.float32), x.to(torch.float32)
+        if self.config.basis_method != "sketch":
+            if self._pending_grad is None:
+                shape = (self.num_experts, self.out_features, self.in_features)
+                self._pending_grad = torch.zeros(shape, dtype=torch.float32, device=device)
+            self._pending_grad[expert].addmm_(dy32.mT, x32)  # type: ignore[index]
+            return
+        record = self._pending_grad if isinstance(self._pending_grad, dict) else {}
+        for side, _ in self._basis_sides():
+            # One test matrix per side for all experts of the stack (drawn from the layer's seed and step).
+            omega = self.sketch_test_matrix(side, device)
+            if side not in record:
+                dim = self.out_features if side == "left" else self.in_features
+                record[side] = torch.zeros(self.num_experts, dim, omega.shape[1], dtype=torch.float32, device=device)
+            sketch = dy32.mT @ (x32 @ omega) if side == "left" else x32.mT @ (dy32 @ omega)
+            record[side][expert] += sketch
+        self._pending_grad = record
+
+    def refresh_record_nbytes(self) -> int:
+        return self.num_experts * _refresh_mod.refresh_record_nbytes(self)
+
+    def sketch_exchange_numel(self) -> int:
+        return self.refresh_record_nbytes() // 4
+
+    # ------------------------------------------------------------------ the refresh
+    def refresh(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
+        """Fold the factors into W0 and give every expert that received tokens in the recorded step a new
+        basis from its own gradient; the others keep theirs. Returns the mean subspace similarity of the
+        experts that were refreshed and had a basis before (NaN when none had)."""
+        self._adopt_counter_writes()
+        try:
+            with gathered_parameters(optimizer, self):
+                return self._refresh_experts(optimizer)
+        finally:
+            self._update_refresh_due()
+
+    @torch.no_grad()
+    def _refresh_experts(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
+        record, tokens = self._pending_grad, self._pending_tokens
+        self._pending_grad, self._pending_tokens = None, None
+        if record is None or tokens is None:
+            raise RuntimeError(
+                "GaLoreExpertStack.refresh() needs the gradient recorded during a refresh step's backward"
+            )
+        # Data-parallel ranks routed different tokens: an expert counts as hit when any rank sent it tokens,
+        # and its basis comes from the gradient averaged over the ranks (as for a linear layer).
+        fake = is_fake(tokens)
+        # Under fake tensors (the memory planner) every expert counts as routed to (even routing).
+        hit = [True] * self.num_experts if fake else (all_reduce_mean(tokens) > 0).tolist()
+        config = self.config
+        sides = self._basis_sides()
+        old = {side: self._basis_value(side).clone() for side, _ in sides}
+        new = {side: basis.clone() for side, basis in old.items()}
+        try:
+            if isinstance(record, dict):
+                sketches = {side: all_reduce_mean(record[side]) for side, _ in sides}
+                for expert in (e for e in range(self.num_experts) if hit[e]):
+                    for side, rank in sides:
+                        new[side][expert] = basis_from_sketch(sketches[side][expert], rank=rank)
+            else:
+                grad = all_reduce_mean(record)
+                for expert in (e for e in range(self.num_experts) if hit[e]):
+                    for side, rank in sides:
+                        generator = self._next_generator(grad.device) if config.basis_method == "randomized" else None
+                        new[side][expert] = compute_basis(
+                            grad[expert],
+                            side=side,
+                            rank=rank,
+                            method=config.basis_method,
+                            oversampling=config.oversampling,
+                            power_iterations=config.power_iterations,
+                            generator=generator,
+                        )
+        except BasisError as exc:
+            warnings.warn(f"GaLore expert basis refresh failed ({exc}); keeping the previous bases", stacklevel=4)
+            self._set_counter("galore_last_refresh", self.counter("galore_step"))
+            return None
+        del record
+        first = not self.calibrated
+        had_basis = [not first] * self.num_experts if fake else (self._expert_refreshes() > 0).tolist()
+        self.fold_factor_into_base(optimizer)
+        for side, basis in new.items():
+            self._set_basis(side, basis)
+        stored = {side: self._basis_value(side) for side in new}
+        refreshed = [e for e in range(self.num_experts) if hit[e]]
+        compared = [e for e in refreshed if had_basis[e]]
+        similarity = float("nan")
+        if compared:
+            similarity = sum(
+                subspace_similarity(old[side][e], stored[side][e]) for side in stored for e in compared
+            ) / (len(compared) * len(stored))
+            _refresh_mod._update_lazy_gap(self, similarity)
+        self._buffers["galore_last_similarity"].fill_(similarity)  # type: ignore[union-attr]
+        if optimizer is not None:
+            self._update_moments(optimizer, first, hit, old, stored)
+        kept = self.num_experts - len(refreshed)
+        if kept:
+            never = sum(1 for e in range(self.num_experts) if not hit[e] and not had_basis[e])
+            logger.info(
+                "GaLore expert refresh at step %d: %d of %d experts received no tokens in the recorded step and "
+                "keep their basis%s",
+                self.counter("galore_step"),
+                kept,
+                self.num_experts,
+                f" ({never} have none yet: their factors get no gradient until a refresh step routes tokens to them)"
+                if never
+                else "",
+            )
+        refreshes = self._expert_refreshes()
+        refreshes.add_(torch.tensor(hit, device=refreshes.device).to(torch.int64))
+        self._set_counter("galore_last_refresh", self.counter("galore_step"))
+        self._add_counter("galore_num_refreshes")
+        return similarity
+
+    def _update_moments(
+        self,
+        optimizer: torch.optim.Optimizer,
+        first: bool,
+        hit: list[bool],
+        old: dict[str, torch.Tensor],
+        new: dict[str, torch.Tensor],
+    ) -> None:
+        """The factor's Adam moments after a refresh, per expert: an expert that kept its basis keeps its
+        moments; a refreshed one follows ``moment_handling`` ('keep', 'reset': zeroed, 'project':
+        transported into its new basis)."""
+        handling = self.config.moment_handling
+        if first or (handling == "reset" and all(hit)):
+            _reset_state(optimizer, self.galore_factor)
+            return
+        if handling == "keep":
+            return
+        mask = torch.tensor(hit, dtype=torch.float32, device=self.galore_factor.device).view(-1, 1, 1)
+        if handling == "reset":
+            # Zero the refreshed experts' moments; the factor's step counter is shared by all experts and runs on.
+            _transform_state(optimizer, self.galore_factor, lambda m, v: (m * (1 - mask), v * (1 - mask)))
+            return
+        transports = {}
+        for side, basis in new.items():
+            eye = torch.eye(basis.shape[-1], device=basis.device).expand(self.num_experts, -1, -1)
+            transports[side] = torch.where(mask.bool(), transport_matrix(old[side], basis), eye)
+
+        def transport(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if "left" in transports:
+                t = transports["left"]
+                exp_avg, exp_avg_sq = t.mT @ exp_avg, t.square().mT @ exp_avg_sq
+            if "right" in transports:
+                t = transports["right"]
+                exp_avg, exp_avg_sq = exp_avg @ t, exp_avg_sq @ t.square()
+            return exp_avg, exp_avg_sq
+
+        _transform_state(optimizer, self.galore_factor, transport)
+
+    # ------------------------------------------------------------------ merged weight
+    def lowrank_delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """scale * (P_e) B_e (Q_e^T) for every expert, E x m x n (formed only when merging or refreshing)."""
+        self._check_factor_layout()
+        p, q = self.basis("left", dtype), self.basis("right", dtype)
+        delta = full_tensor(self.galore_factor.detach()).to(dtype)
+        if p is None and q is None:
+            return delta * self.config.scale
+        if q is not None:
+            delta = delta @ q.mT
+        if p is not None:
+            delta = p @ delta
+        return delta.mul_(self.config.scale)
+
+    @torch.no_grad()
+    def fold_factor_into_base(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """W0_e <- alpha * W0_e + scale * lowrank(B_e) for every expert, one expert at a time (a refresh
+        holds one expert's m x n fp32 temporaries, not the stack's), then alpha <- 1 and B <- 0: the
+        effective weights are unchanged (up to the rounding of a quantized or bf16 W0)."""
+        self._check_factor_layout()
+        factor = full_tensor(self.galore_factor.detach())
+        p, q = self.basis("left", torch.float32), self.basis("right", torch.float32)
+        weight = self.weight
+        store = self._weight_store
+        stochastic = self.config.stochastic_rounding
+        error_sq = norm_sq = 0.0
+        for expert in range(self.num_experts):
+            delta = factor[expert].to(torch.float32)
+            if q is not None:
+                delta = delta @ q[expert].mT
+            if p is not None:
+                delta = p[expert] @ delta
+            if weight is not None:
+                merged = weight[expert].to(torch.float32) * self._alpha + delta * self.config.scale
+                if weight.dtype == torch.bfloat16 and stochastic:
+                    merged = stochastic_round_to_bf16(merged, self._next_generator(merged.device))
+                weight[expert].copy_(merged)
+            else:
+                assert store is not None
+                merged = store.value_slice(expert, torch.float32) * self._alpha + delta * self.config.scale
+                generator = self._next_generator(merged.device) if stochastic else None
+                err, norm = store.store_slice(expert, merged, generator=generator)
+                error_sq, norm_sq = error_sq + err, norm_sq + norm
+        if store is not None and norm_sq > 0:
+            store.error = (error_sq / norm_sq) ** 0.5
+        self._reset_base()
+        self.galore_factor.detach().zero_()
+        _param_changed(optimizer, self.galore_factor)
+
+    def state_nbytes(self) -> dict[str, int]:
+        nbytes = super().state_nbytes()
+        refreshes = self._expert_refreshes()
+        nbytes["basis"] += refreshes.numel() * refreshes.element_size()
+        return nbytes
+
+
+def _even_split(total: int, parts: int) -> list[int]:
+    """`total` items over `parts` parts, as evenly as they go (the first ones one more)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class GaLoreExperts(nn.Module):
+    """Stands in for a transformers ``*Experts`` module (gated: ``gate_up_proj`` then ``down_proj``) whose
+    expert weights are trained by GaLore: one :class:`GaLoreExpertStack` per projection, under the
+    projection's name. Same forward signature as the module it replaces; the stock module (without its
+    expert weights) is kept for its gate function and to put back merged weights
+    (:meth:`merged_module`)."""
+
+    def __init__(self, experts: nn.Module, config: GaLoreConfig, *, layer_index: int = 0) -> None:
+        super().__init__()
+        gate_up, down = experts._parameters["gate_up_proj"], experts._parameters["down_proj"]
+        if gate_up is None or down is None:
+            raise ValueError(f"{type(experts).__name__} holds no gate_up_proj and down_proj expert parameters")
+        self.num_experts = int(gate_up.shape[0])
+        self.gate_up_proj = GaLoreExpertStack(gate_up, config, layer_index=layer_index)
+        self.down_proj = GaLoreExpertStack(down, config, layer_index=layer_index + 1)
+        # The stock module keeps its activation and gate function, not its expert weights (W0 lives in the
+        # stacks now); it is not a submodule, so its tensors are not the model's.
+        for name in EXPERT_PROJECTIONS:
+            experts._parameters[name] = None
+        object.__setattr__(self, "stock", experts)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        num_experts = self.num_experts
+        top_k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        with torch.no_grad():
+            # (token, expert) pairs sorted by expert (stable: tokens in order within an expert); an index of
+            # num_experts or more (a slot routed to no local expert) sorts last and is dropped.
+            order = torch.argsort(flat, stable=True)
+            if is_fake(flat):
+                # Shapes only (the memory planner): routing is data, so the pairs are taken as spread evenly
+                # over the experts; the branch's tensors hold the same N * top_k rows in all.
+                counts = _even_split(flat.numel(), num_experts)
+            else:
+                counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+            used = sum(counts)
+            order = order[:used]
+            tokens = order // top_k
+        rows = hidden_states[tokens]
+        hidden = self.gate_up_proj(rows, counts)
+        hidden = self._gate(hidden)
+        out = self.down_proj(hidden, counts)
+        out = out * top_k_weights.reshape(-1)[order, None]
+        final = torch.zeros_like(hidden_states)
+        final.index_add_(0, tokens, out.to(final.dtype))
+        return final
+
+    def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        apply_gate = getattr(self.stock, "_apply_gate", None)
+        if apply_gate is not None:
+            return apply_gate(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        stock: Any = self.stock
+        return stock.act_fn(gate) * up
+
+    @torch.no_grad()
+    def merged_module(self) -> nn.Module:
+        """The stock ``*Experts`` module holding the merged 3-D weights (dtype as loaded), as parameters."""
+        stock: Any = self.stock
+        for name in EXPERT_PROJECTIONS:
+            stack: GaLoreExpertStack = getattr(self, name)
+            stock._parameters[name] = nn.Parameter(stack.effective_weight(stack.weight_dtype))
+        return stock
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, replaces={type(self.stock).__name__}"
