@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, prepare_model
+from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, prepare_model, state_of
 from hf_galore_plugin.layers import GaLoreLinear
 from hf_galore_plugin.layers.experts import GaLoreExperts, GaLoreExpertStack
 
@@ -291,10 +291,10 @@ def test_summary_line_names_unprojected_experts_and_the_option():
     model = mixtral()
     experts = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
     share = experts / sum(p.numel() for p in model.parameters())
-    line = prepare_model(model, GaLoreConfig(rank=8)).galore_report.summary()
+    line = state_of(prepare_model(model, GaLoreConfig(rank=8))).report.summary()
     assert f"2 expert modules ({experts:,} parameters, {share:.0%} of the model) are not projected" in line
     assert "set experts=True (optim_args experts=true)" in line
-    projected = prepare_model(mixtral(), GaLoreConfig(rank=8, experts=True, expert_rank=4)).galore_report.summary()
+    projected = state_of(prepare_model(mixtral(), GaLoreConfig(rank=8, experts=True, expert_rank=4))).report.summary()
     assert "experts: 2 expert modules" in projected and "not projected" not in projected
 
 

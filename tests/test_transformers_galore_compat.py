@@ -105,7 +105,7 @@ def test_galore_extra_args(tmp_path):
         optim_target_modules=ATTN_MLP,
         optim_args="rank=64, update_proj_gap=100, scale=0.10",
     )
-    config = trainer.model.galore_config
+    config = hgp.state_of(trainer.model).config
     assert (config.rank, config.update_proj_gap, config.scale) == (64, 100, 0.10)
 
 
