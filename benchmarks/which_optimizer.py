@@ -23,8 +23,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from hf_galore_plugin.plan import METHODS, estimate  # noqa: E402
 
 MODELS = ("llama-2-7b", "llama-3-8b", "llama-3-70b")
-# The low-memory settings of qgalore_adamw_8bit (README "Will it fit?"): label -> optim_args. With the defaults the
-# refresh step records every layer's fp32 gradient and sets the run's peak; these bound it.
+# The low-memory settings of qgalore_adamw_8bit (README "Coming from LoRA / QLoRA"): label -> optim_args. The
+# default bounded refresh (staggered, sketch) is spelled out so that the rows keep their meaning if it changes.
 RECIPE = "weight_storage=nf4,refresh_schedule=staggered,basis_method=sketch"
 VARIANTS = {
     "qgalore_adamw_8bit low-memory": RECIPE,
