@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, prepare_model, state_of
+from hf_galore_plugin.config import PAPER_REFRESH
 from hf_galore_plugin.layers import GaLoreLinear
 from hf_galore_plugin.layers.experts import GaLoreExperts, GaLoreExpertStack
 
@@ -118,7 +119,9 @@ CONFIGS = {
 
 @pytest.mark.parametrize("setting", sorted(CONFIGS))
 def test_fused_experts_match_one_galore_linear_per_expert(setting):
-    config = GaLoreConfig(rank=8, expert_rank=4, experts=True, update_proj_gap=2, **CONFIGS[setting])
+    # The paper's refresh: the dense oracle's layers then refresh at the same steps from the same exact SVD as
+    # the stack's experts (staggered phases and sketch test matrices are drawn per layer).
+    config = GaLoreConfig(rank=8, expert_rank=4, experts=True, update_proj_gap=2, **PAPER_REFRESH, **CONFIGS[setting])
     stock = qwen3_moe().model.layers[0].mlp.experts
     dense = _DenseExperts(stock, config)
     fused = _Holder(GaLoreExperts(copy.deepcopy(stock), config))

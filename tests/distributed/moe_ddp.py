@@ -10,13 +10,17 @@ recorded gradient over the ranks; an expert counts as routed to when any rank se
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from _teardown import shut_down
 
-from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, merged_state_dict, prepare_model
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # appended: shadows nothing
+from _engines import wrap_for_engine  # noqa: E402
+from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, merged_state_dict, prepare_model  # noqa: E402
+from hf_galore_plugin.config import PAPER_REFRESH  # noqa: E402
 
 # Refreshes at steps 0, 3 and 6. The two runs sum in another order, so an SVD may return a singular vector
 # with the other sign; with moment_handling='reset' (moments restart at each refresh) the trajectory does
@@ -37,7 +41,9 @@ def build():
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config)
     return prepare_model(
-        model, GaLoreConfig(rank=8, expert_rank=4, experts=True, update_proj_gap=3, moment_handling="reset")
+        # The paper's refresh (every layer at the same steps, exact SVD): the refresh counts the test checks.
+        model,
+        GaLoreConfig(rank=8, expert_rank=4, experts=True, update_proj_gap=3, moment_handling="reset", **PAPER_REFRESH),
     )
 
 
@@ -49,7 +55,7 @@ def main(out: str) -> None:
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     model = build()
-    forward = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    _, forward = wrap_for_engine(model, "ddp" if distributed else "single")
     optimizer = create_optimizer(model, lr=1e-2, weight_decay=0.01)
     losses = []
     for step in range(STEPS):
