@@ -92,23 +92,22 @@ class StoredTensor:
         start = self.name + "_"
         return [name for name in self.module._buffers if name.startswith(start)]
 
+    def _quantize(self, value: torch.Tensor, generator: Optional[torch.Generator]) -> "QuantizedTensor":
+        """`value` quantized in this store's scheme and group size, stochastically rounded with `generator`."""
+        from ..quant import quantize
+
+        scheme, bits = QUANT_SCHEMES[self.storage]
+        return quantize(
+            value, scheme=scheme, bits=bits, block_size=self.group_size, stochastic=generator is not None, generator=generator
+        )
+
     def store(self, value: torch.Tensor, *, generator: Optional[torch.Generator] = None) -> None:
         """Write `value`: as is (cast to the storage dtype), or quantized, stochastically rounded with
         `generator` when one is given. Measures the quantization error unless `value` is on the meta device."""
         if not self.quantized:
             assign_buffer(self.module, self.name, value if self.dtype is None else value.to(self.dtype))
             return
-        from ..quant import quantize
-
-        scheme, bits = QUANT_SCHEMES[self.storage]
-        qt = quantize(
-            value,
-            scheme=scheme,
-            bits=bits,
-            block_size=self.group_size,
-            stochastic=generator is not None,
-            generator=generator,
-        )
+        qt = self._quantize(value, generator)
         # Measured here, where the exact value is at hand, so logging it costs nothing later.
         if not value.is_meta:
             self.error = _relative_rms(qt.dequantize(torch.float32), value.to(torch.float32))
@@ -163,17 +162,7 @@ class StoredTensor:
             whole[index] = value
             self.store(whole, generator=generator)
             return 0.0, 0.0
-        from ..quant import quantize
-
-        scheme, bits = QUANT_SCHEMES[self.storage]
-        qt = quantize(
-            value,
-            scheme=scheme,
-            bits=bits,
-            block_size=self.group_size,
-            stochastic=generator is not None,
-            generator=generator,
-        )
+        qt = self._quantize(value, generator)
         tensors, _ = qt.to_state()
         buffers: dict[str, Any] = self.module._buffers
         for part, tensor in tensors.items():
