@@ -48,7 +48,7 @@ from ..projection import transport_matrix
 from . import refresh as _refresh_mod
 from .function import galore_linear
 from .linear import GaLoreLinear
-from .storage import StoredTensor, stochastic_round_to_bf16
+from .storage import stochastic_round_to_bf16
 
 __all__ = ["GaLoreExpertStack", "GaLoreExperts", "EXPERT_PROJECTIONS"]
 
@@ -96,29 +96,7 @@ class GaLoreExpertStack(GaLoreLinear):
         device = weight.device
         self.galore_factor = nn.Parameter(torch.zeros(self.num_experts, rows, cols, device=device, dtype=weight.dtype))
         self.bias = None
-        self._weight_store: Optional[StoredTensor] = None
-        if config.weight_storage == "as_loaded":
-            self.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        else:
-            self.register_parameter("weight", None)
-            self._weight_store = StoredTensor(
-                self, "weight_q", config.weight_storage, group_size=config.effective_weight_group_size
-            )
-            self._store_weight(weight.detach())
-        self._bases: dict[str, Optional[StoredTensor]] = {"left": None, "right": None}
-        for side, side_rank, identity, dim in (
-            ("left", self.left_rank, self.left_identity, m),
-            ("right", self.right_rank, self.right_identity, n),
-        ):
-            if side_rank is not None and not identity:
-                self._bases[side] = StoredTensor(
-                    self,
-                    f"galore_basis_{side}",
-                    config.basis_storage,
-                    group_size=config.effective_basis_group_size,
-                    dtype=self.weight_dtype,
-                )
-                self._set_basis(side, torch.zeros(self._basis_shape(dim, side_rank), device=device))
+        self._init_storage(config, weight, device)
         self._init_step_state(config, layer_index, device, base_is_meta=weight.is_meta)
         self.register_buffer("galore_expert_refreshes", torch.zeros(self.num_experts, dtype=torch.int64, device=device))
         # Tokens each expert received in the recorded step (with _pending_grad; never in a checkpoint).

@@ -157,6 +157,13 @@ class GaLoreLinear(nn.Module):
 
         self.galore_factor = nn.Parameter(torch.zeros(factor_rows, factor_cols, device=device, dtype=weight.dtype))
         self.bias = base.bias
+        self._init_storage(config, weight, device)
+
+        self._init_step_state(config, layer_index, device, base_is_meta=weight.is_meta)
+
+    def _init_storage(self, config: GaLoreConfig, weight: torch.Tensor, device: torch.device) -> None:
+        """W0 and the bases' storage, for a weight of this layer's shape (an expert stack's: E stacked maps)."""
+        m, n = self.out_features, self.in_features
         # W0: the parameter `weight` as loaded, or quantized into buffers weight_q_* (no `weight` then).
         self._weight_store: Optional[StoredTensor] = None
         if config.weight_storage == "as_loaded":
@@ -183,9 +190,7 @@ class GaLoreLinear(nn.Module):
                     group_size=config.effective_basis_group_size,
                     dtype=self.weight_dtype,
                 )
-                self._set_basis(side, torch.zeros(dim, rank, device=device, dtype=torch.float32))
-
-        self._init_step_state(config, layer_index, device, base_is_meta=weight.is_meta)
+                self._set_basis(side, torch.zeros(self._basis_shape(dim, rank), device=device, dtype=torch.float32))
 
     def _init_step_state(
         self, config: GaLoreConfig, layer_index: int, device: torch.device, *, base_is_meta: bool
