@@ -43,7 +43,7 @@ from ..engines.contract import gathered_parameters
 from ..engines.contract import param_changed as _param_changed
 from ..engines.contract import reset_state as _reset_state
 from ..engines.contract import transform_state as _transform_state
-from ..projection import BasisError, basis_from_sketch, compute_basis, resolve_sides, subspace_similarity
+from ..projection import BasisError, basis_from_sketch, resolve_sides, subspace_similarity
 from ..projection import transport_matrix
 from . import refresh as _refresh_mod
 from .function import galore_linear
@@ -250,7 +250,6 @@ class GaLoreExpertStack(GaLoreLinear):
         fake = is_fake(tokens)
         # Under fake tensors (the memory planner) every expert counts as routed to (even routing).
         hit = [True] * self.num_experts if fake else (all_reduce_mean(tokens) > 0).tolist()
-        config = self.config
         sides = self._basis_sides()
         old = {side: self._basis_value(side).clone() for side, _ in sides}
         new = {side: basis.clone() for side, basis in old.items()}
@@ -264,16 +263,7 @@ class GaLoreExpertStack(GaLoreLinear):
                 grad = all_reduce_mean(record)
                 for expert in (e for e in range(self.num_experts) if hit[e]):
                     for side, rank in sides:
-                        generator = self._next_generator(grad.device) if config.basis_method == "randomized" else None
-                        new[side][expert] = compute_basis(
-                            grad[expert],
-                            side=side,
-                            rank=rank,
-                            method=config.basis_method,
-                            oversampling=config.oversampling,
-                            power_iterations=config.power_iterations,
-                            generator=generator,
-                        )
+                        new[side][expert] = _refresh_mod.basis_from_gradient(self, grad[expert], side, rank)
         except BasisError as exc:
             warnings.warn(f"GaLore expert basis refresh failed ({exc}); keeping the previous bases", stacklevel=4)
             self._set_counter("galore_last_refresh", self.counter("galore_step"))
@@ -354,18 +344,7 @@ class GaLoreExpertStack(GaLoreLinear):
         _transform_state(optimizer, self.galore_factor, transport)
 
     # ------------------------------------------------------------------ merged weight
-    def lowrank_delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """scale * (P_e) B_e (Q_e^T) for every expert, E x m x n (formed only when merging or refreshing)."""
-        self._check_factor_layout()
-        p, q = self.basis("left", dtype), self.basis("right", dtype)
-        delta = full_tensor(self.galore_factor.detach()).to(dtype)
-        if p is None and q is None:
-            return delta * self.config.scale
-        if q is not None:
-            delta = delta @ q.mT
-        if p is not None:
-            delta = p @ delta
-        return delta.mul_(self.config.scale)
+    # lowrank_delta is GaLoreLinear's: its matmuls batch over the expert dimension (E x m x n).
 
     @torch.no_grad()
     def fold_factor_into_base(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:

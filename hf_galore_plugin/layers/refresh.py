@@ -27,12 +27,13 @@ from ..engines.collectives import world_size as _world_size
 from ..engines.contract import gathered_parameters, param_changed
 from ..engines.contract import reset_state as _reset_state
 from ..engines.contract import transform_state as _transform_state
-from ..projection import BasisError, basis_from_sketch, compute_basis, subspace_similarity, transport_matrix
+from ..projection import BasisError, Reduce, basis_from_sketch, compute_basis, subspace_similarity, transport_matrix
 from ..config import GaLoreConfig
 from .storage import stochastic_round_to_bf16
 
 __all__ = [
     "RefreshTarget",
+    "basis_from_gradient",
     "fold_factor_into_base",
     "record_gradient",
     "refresh",
@@ -175,6 +176,25 @@ def sketch_exchange_numel(layer: RefreshTarget) -> int:
 
 
 # ---------------------------------------------------------------------- the refresh
+def basis_from_gradient(
+    layer: RefreshTarget, grad: torch.Tensor, side: str, rank: int, *, reduce: Optional[Reduce] = None
+) -> torch.Tensor:
+    """The new basis of `side` from the recorded gradient `grad` by the layer's ``basis_method`` (its random
+    stream for the randomized range finder; `reduce` averages its sketches over data-parallel ranks)."""
+    config = layer.config
+    generator = layer._next_generator(grad.device) if config.basis_method == "randomized" else None
+    return compute_basis(
+        grad,
+        side=side,
+        rank=rank,
+        method=config.basis_method,
+        oversampling=config.oversampling,
+        power_iterations=config.power_iterations,
+        generator=generator,
+        reduce=reduce,
+    )
+
+
 def refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
     """Fold the factor into W0, compute the new basis from the recorded gradient, adapt the gap.
 
@@ -227,17 +247,7 @@ def _refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer]) -
             identity = layer.left_identity if side == "left" else layer.right_identity
             if rank is None or identity:
                 continue
-            generator = layer._next_generator(grad.device) if config.basis_method == "randomized" else None
-            new_bases[side] = compute_basis(
-                grad,
-                side=side,
-                rank=rank,
-                method=config.basis_method,
-                oversampling=config.oversampling,
-                power_iterations=config.power_iterations,
-                generator=generator,
-                reduce=sketch_reduce,
-            )
+            new_bases[side] = basis_from_gradient(layer, grad, side, rank, reduce=sketch_reduce)
     except BasisError as exc:
         _basis_failed(layer, exc)
         return None
