@@ -47,7 +47,7 @@ from ..projection import BasisError, basis_from_sketch, resolve_sides, subspace_
 from ..projection import transport_matrix
 from . import refresh as _refresh_mod
 from .function import galore_linear
-from .linear import GaLoreLinear
+from .linear import GaLoreLinear, check_base_weight
 from .storage import stochastic_round_to_bf16
 
 __all__ = ["GaLoreExpertStack", "GaLoreExperts", "EXPERT_PROJECTIONS"]
@@ -73,14 +73,7 @@ class GaLoreExpertStack(GaLoreLinear):
             raise TypeError(
                 f"GaLoreExpertStack wraps a 3-D expert parameter (experts x out x in), got shape {tuple(weight.shape)}"
             )
-        if not weight.is_floating_point():
-            raise TypeError(f"GaLoreExpertStack needs a floating-point weight, got {weight.dtype}")
-        partitioned = getattr(weight, "ds_numel", weight.numel())
-        if partitioned != weight.numel():
-            raise RuntimeError(
-                f"GaLoreExpertStack: the expert weight ({partitioned} values) is partitioned by DeepSpeed "
-                "ZeRO-3 (zero.Init); prepare the model before partitioning it"
-            )
+        check_base_weight(weight, "GaLoreExpertStack")
         self.config = config
         self.num_experts, m, n = (int(size) for size in weight.shape)
         self.in_features, self.out_features = n, m

@@ -52,6 +52,21 @@ def _write_lazy_buffers(layer: "GaLoreLinear", prefix: str, keep_vars: bool) -> 
     layer._step_written = step
 
 
+def check_base_weight(weight: torch.Tensor, layer: str) -> None:
+    """Refuse a weight a GaLore layer (named `layer` in the message) cannot take over as its W0."""
+    if not weight.is_floating_point():
+        raise TypeError(f"{layer} needs a floating-point weight, got {weight.dtype}")
+    partitioned_numel = getattr(weight, "ds_numel", weight.numel())
+    if partitioned_numel != weight.numel():
+        # DeepSpeed ZeRO-3 zero.Init (from_pretrained under a stage-3 config) left only this rank's
+        # partition here; copying it would silently lose the rest of W0.
+        raise RuntimeError(
+            f"{layer}: the weight ({partitioned_numel} values) is partitioned by DeepSpeed ZeRO-3 "
+            "(zero.Init); replace layers before partitioning, or inside "
+            "deepspeed.zero.GatheredParameters(module.parameters(), modifier_rank=0)"
+        )
+
+
 def scale_bases(layers: "list[GaLoreLinear]", factor: float) -> None:
     """alpha *= `factor` for every layer of `layers` (decoupled weight decay of the frozen W0s): the buffers in
     one multi-tensor kernel, and the host copies computed as a float32 ``mul_`` computes (the scalar rounded
@@ -128,17 +143,7 @@ class GaLoreLinear(nn.Module):
         if not isinstance(base, nn.Linear):
             raise TypeError(f"GaLoreLinear wraps nn.Linear, got {type(base).__name__}")
         weight = base.weight
-        if not weight.is_floating_point():
-            raise TypeError(f"GaLoreLinear needs a floating-point weight, got {weight.dtype}")
-        partitioned_numel = getattr(weight, "ds_numel", weight.numel())
-        if partitioned_numel != weight.numel():
-            # DeepSpeed ZeRO-3 zero.Init (from_pretrained under a stage-3 config) left only this rank's
-            # partition here; copying it would silently lose the rest of W0.
-            raise RuntimeError(
-                f"GaLoreLinear: the weight ({partitioned_numel} values) is partitioned by DeepSpeed ZeRO-3 "
-                "(zero.Init); replace layers before partitioning, or inside "
-                "deepspeed.zero.GatheredParameters(module.parameters(), modifier_rank=0)"
-            )
+        check_base_weight(weight, "GaLoreLinear")
         self.config = config
         self.in_features = base.in_features
         self.out_features = base.out_features
