@@ -61,7 +61,10 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "w0_nf4": ("W0 stored NF4 (block 64)", {"weight_storage": "nf4"}),
     "state_fp32": ("fp32 optimizer state", {"state_bits": 32}),
     "state_8bit_ef": ("8-bit state with error feedback", {"error_feedback": True}),
-    "refresh_paper": ("the paper's refresh: aligned, exact SVD", {"refresh_schedule": "aligned", "basis_method": "svd"}),
+    "refresh_paper": (
+        "the paper's refresh: aligned, exact SVD",
+        {"refresh_schedule": "aligned", "basis_method": "svd"},
+    ),
     "refresh_staggered": (
         "staggered refresh phases, budget one layer's fp32 gradient, exact SVD",
         {"refresh_schedule": "staggered", "basis_method": "svd"},

@@ -117,7 +117,9 @@ class Runner:
                 )
             adamw8bit._step_blocks = self.compiled_blocks
         try:
-            hyper = adamw8bit.AdamW8bitHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, block_size=256)
+            hyper = adamw8bit.AdamW8bitHyper(
+                lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, block_size=256
+            )
             adamw_steps_8bit(params, grads, states, steps, hyper=hyper)
         finally:
             adamw8bit._step_blocks = self.eager_blocks

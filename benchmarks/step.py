@@ -164,9 +164,7 @@ def result(args: argparse.Namespace, rows: dict[str, Any], profiles: dict[str, s
     }
 
 
-def summary(
-    ordinary: list[float], refresh: list[float], reference: float, gap: int, phases: int = 1
-) -> dict[str, Any]:
+def summary(ordinary: list[float], refresh: list[float], reference: float, gap: int, phases: int = 1) -> dict[str, Any]:
     """One row: the median and spread of the ordinary steps, the refresh steps apart, ratios to `reference`.
     `phases` refresh steps fall in every gap (staggered schedule), each costing the median refresh step."""
     middle, refresh_middle = median(ordinary), median(refresh)

@@ -564,5 +564,3 @@ def galore_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     for role, values in errors.items():
         stats[f"galore/{role}_quant_error"] = sum(values) / len(values)
     return stats
-
-

@@ -171,7 +171,9 @@ def test_fp16_autocast_with_grad_scaler_tracks_fp32():
         with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
             loss = model(x).float().square().mean()
         (scaler.scale(loss) if autocast else loss).backward()
-        grads[autocast] = [layer.galore_factor.grad.clone() / (scaler.get_scale() if autocast else 1.0) for layer in layers]
+        grads[autocast] = [
+            layer.galore_factor.grad.clone() / (scaler.get_scale() if autocast else 1.0) for layer in layers
+        ]
         model.zero_grad()
     for exact, half in zip(grads[False], grads[True]):
         # measured 1.0 and 1.4 units of 2^-11; bases read in bf16 instead of fp16 give 2.3 units

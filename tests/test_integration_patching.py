@@ -21,8 +21,7 @@ from hf_galore_plugin.integrations import transformers as integration
 # plugin adds to transformers' optimizer table (keys of a dict, not attributes that can be missing).
 DELETABLE = [
     target.name
-    for target in integration.trainer_patch_targets(trainer_module)
-    + list(integration.trainer_requires(trainer_module))
+    for target in integration.trainer_patch_targets(trainer_module) + list(integration.trainer_requires(trainer_module))
     if not isinstance(target.owner, dict)
 ]
 
@@ -78,7 +77,8 @@ def test_the_documented_patch_table_lists_exactly_the_targets():
     documented = set(re.findall(r"`Trainer\.(\w+)`", table)) | set(re.findall(r"module global `(\w+)`", table))
     targets = {
         target.name.rpartition(".")[2]
-        for target in integration.trainer_patch_targets(trainer_module) + list(integration.trainer_requires(trainer_module))
+        for target in integration.trainer_patch_targets(trainer_module)
+        + list(integration.trainer_requires(trainer_module))
         if not isinstance(target.owner, dict)
     }
     assert targets <= documented, f"patched but not in docs/architecture.md: {sorted(targets - documented)}"

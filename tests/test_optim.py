@@ -749,7 +749,9 @@ def test_8bit_group_steps_in_one_cpp_call_bit_identical_to_per_tensor_torch_step
         adamw8bit.adamw8bit_step_torch(param, grad, state, step=step, hyper=_hyper())
     calls = []
     run = adamw8bit_cpu.run
-    monkeypatch.setattr(adamw8bit_cpu, "run", lambda module, lists, *a: calls.append(len(lists[0])) or run(module, lists, *a))
+    monkeypatch.setattr(
+        adamw8bit_cpu, "run", lambda module, lists, *a: calls.append(len(lists[0])) or run(module, lists, *a)
+    )
     params, states = [s.clone() for s in starts], [_eight_bit_state(n, error_feedback) for n in sizes]
     adamw8bit.adamw8bit_step_multi(params, grads, states, steps=steps, hyper=_hyper())
     assert calls == [len(sizes)]
@@ -810,7 +812,9 @@ def test_8bit_hyper_options_are_checked_by_name():
     # The step's options are one typed bundle: a misspelt or missing option is an error naming it.
     from hf_galore_plugin.optim import adamw_step_8bit
 
-    state = dict(zip(("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"), _eight_bit_state(8, False)))
+    state = dict(
+        zip(("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"), _eight_bit_state(8, False))
+    )
     with pytest.raises(TypeError, match="weight_decy"):
         adamw_step_8bit(torch.zeros(8), torch.zeros(8), state, step=1, lr=1e-3, beta1=0.9, beta2=0.999,
                         eps=1e-8, weight_decy=0.0, block_size=256)  # fmt: skip
@@ -834,7 +838,9 @@ def test_8bit_multi_step_sends_bf16_parameters_per_tensor_and_the_rest_in_one_cp
     calls = []
     run = adamw8bit_cpu.run
     monkeypatch.setattr(
-        adamw8bit_cpu, "run", lambda module, lists, *a: calls.append([t.dtype for t in lists[0]]) or run(module, lists, *a)
+        adamw8bit_cpu,
+        "run",
+        lambda module, lists, *a: calls.append([t.dtype for t in lists[0]]) or run(module, lists, *a),
     )
     params, states = [s.clone() for s in starts], [_eight_bit_state(s.numel(), False) for s in starts]
     adamw8bit.adamw8bit_step_multi(params, grads, states, steps=[2] * 5, hyper=_hyper())

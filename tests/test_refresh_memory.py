@@ -369,7 +369,9 @@ def test_zero_refuses_only_staggered_resets_of_8bit_moments_at_construction(stat
     model = _model(refresh_schedule="staggered", state_bits=state_bits, moment_handling=moment_handling)
     assert len({int(layer.galore_phase) for _, layer in galore_layers(model)}) > 1
     if raises and state_bits == 8:
-        with pytest.raises(NotImplementedError, match="moment_handling='keep', refresh_schedule='aligned' or state_bits=32"):
+        with pytest.raises(
+            NotImplementedError, match="moment_handling='keep', refresh_schedule='aligned' or state_bits=32"
+        ):
             _zero_adapter(model)
     else:
         _zero_adapter(model)

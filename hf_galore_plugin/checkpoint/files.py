@@ -119,5 +119,3 @@ def fsync_path(path: str) -> None:
 def fsync_folder(folder: str) -> None:
     """Make renames and new files in `folder` durable (no-op where folders cannot be opened)."""
     fsync_path(folder)
-
-

@@ -73,7 +73,6 @@ FIXED_FIELDS = (
 MUTABLE_FIELDS = tuple(name for name in GaLoreConfig.field_names() if name not in FIXED_FIELDS)
 
 
-
 def _normalized(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
@@ -252,7 +251,6 @@ def save_galore_checkpoint(
         "state": state,
     }
     write_atomically(path, lambda handle: torch.save(payload, handle))
-
 
 
 def read_galore_checkpoint(path: str, *, checkpoint: Optional[str] = None) -> dict[str, Any]:

@@ -61,7 +61,10 @@ def shard_like(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b` are DTensors on the same mesh with the same placements (cut the same way)."""
     return (
-        is_dtensor(a) and is_dtensor(b) and a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements)
+        is_dtensor(a)
+        and is_dtensor(b)
+        and a.device_mesh == b.device_mesh
+        and tuple(a.placements) == tuple(b.placements)
     )
 
 

@@ -92,7 +92,9 @@ class DeepSpeedGaLoreOptimizer:
         check_moment_handling(f"zero{self.zero_stage}", moment_handling=config.moment_handling)
         check_state_offload(f"zero{self.zero_stage}", state_offload=config.state_offload)
         self._layers = {
-            id(m.galore_factor): m for m in model.modules() if isinstance(getattr(m, "galore_factor", None), torch.Tensor)
+            id(m.galore_factor): m
+            for m in model.modules()
+            if isinstance(getattr(m, "galore_factor", None), torch.Tensor)
         }
         phases = [int(m.galore_phase) for m in self._layers.values()]
         if config.state_bits == 8 and config.moment_handling == "reset" and any(phase > 0 for phase in phases):

@@ -124,6 +124,7 @@ def wrap_initialize_weights(original: Callable) -> Callable:
     the meta device would keep uninitialised W0s after ``to_empty()`` + ``init_weights()``. A GaLore layer
     is initialised as the ``nn.Linear`` it replaced would be, by the model's own ``_init_weights`` (same
     rule, same random draws), and gets a new layer's GaLore state."""
+
     @functools.wraps(original)
     def _initialize_weights(self, module, *args, **kwargs):
         if not isinstance(module, GaLoreLinear):

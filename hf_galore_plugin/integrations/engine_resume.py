@@ -63,6 +63,7 @@ def wrap_deepspeed_load_checkpoint(original: Callable) -> Callable:
     """After the engine loaded its checkpoint (ZeRO partitions, fp32 masters, optimizer state), restore
     the GaLore layers from ``galore_state.pt``: ZeRO-3 does not restore frozen parameters such as W0,
     which refreshes change."""
+
     @functools.wraps(original)
     def deepspeed_load_checkpoint(deepspeed_engine, checkpoint_path, *args, **kwargs):
         result = original(deepspeed_engine, checkpoint_path, *args, **kwargs)

@@ -100,7 +100,11 @@ def _resolve_resume(output_dir: str, resume: Any) -> Any:
                 complete,
             )
         return complete
-    if isinstance(resume, (str, os.PathLike)) and os.path.isdir(resume) and not checkpoint_is_complete(os.fspath(resume)):
+    if (
+        isinstance(resume, (str, os.PathLike))
+        and os.path.isdir(resume)
+        and not checkpoint_is_complete(os.fspath(resume))
+    ):
         raise ValueError(
             f"checkpoint {resume} is incomplete: it has no {MANIFEST_NAME}, which a GaLore run writes last (the "
             f"run stopped while writing the checkpoint, or a GaLore run did not write it); "
@@ -179,6 +183,7 @@ def _load_with_galore_checkpoint(trainer: Any, original: Callable[[], Any], fold
 
 def wrap_load_from_checkpoint(original: Callable) -> Callable:
     """The patch of ``Trainer._load_from_checkpoint`` (resume): the GaLore layers are restored too."""
+
     @functools.wraps(original)
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         return _load_with_galore_checkpoint(
@@ -190,6 +195,7 @@ def wrap_load_from_checkpoint(original: Callable) -> Callable:
 
 def wrap_load_best_model(original: Callable) -> Callable:
     """The patch of ``Trainer._load_best_model``: the best checkpoint is verified, its GaLore layers restored."""
+
     @functools.wraps(original)
     def _load_best_model(self):
         folder = self.state.best_model_checkpoint

@@ -255,6 +255,7 @@ def optimizer_handler_table(trainer_module: Any) -> Optional[dict]:
 
 def optimizer_handler(name: str) -> Callable[[Any], Callable]:
     """The patch of handler-table entry `name` (5.x): the plugin's optimizer for that name."""
+
     def wrap(original: Any) -> Callable:
         def galore_optimizer_handler(ctx):
             return _galore_optimizer_cls_and_kwargs(ctx.args, ctx.model, name)

@@ -58,6 +58,7 @@ def wrap_save_checkpoint(original: Callable) -> Callable:
     the Trainer's rotation run. A crash at any instant leaves the previous complete checkpoint, or the new
     one complete; a full disk raises one error naming the file and leaves the previous one too.
     """
+
     @functools.wraps(original)
     def _save_checkpoint(self, model, trial, *args, **kwargs):
         prepared = state_of(self.model)

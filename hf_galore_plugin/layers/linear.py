@@ -606,7 +606,9 @@ class GaLoreLinear(nn.Module):
         """The refresh rule's fixed settings of this layer (from its config and sides)."""
         config = self.config
         return _schedule.Schedule(
-            staggered=config.refresh_schedule == "staggered", period=config.update_proj_gap, needs_basis=self.needs_basis
+            staggered=config.refresh_schedule == "staggered",
+            period=config.update_proj_gap,
+            needs_basis=self.needs_basis,
         )
 
     def set_refresh_phase(self, phase: int, *, gap: Optional[int] = None) -> None:

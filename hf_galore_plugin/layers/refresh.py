@@ -42,6 +42,7 @@ __all__ = [
     "sketch_test_matrix",
 ]
 
+
 class RefreshTarget(Protocol):
     """What the refresh reads and writes of a layer (a :class:`~hf_galore_plugin.layers.GaLoreLinear`)."""
 
@@ -266,7 +267,9 @@ def _basis(layer: RefreshTarget, side: str) -> torch.Tensor:
     return basis
 
 
-def _install_bases(layer: RefreshTarget, new_bases: dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer]) -> float:
+def _install_bases(
+    layer: RefreshTarget, new_bases: dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer]
+) -> float:
     """Fold the factor into W0, swap in `new_bases`, adapt the lazy gap and the optimizer state."""
     first = not layer.calibrated
     old_bases = {side: _basis(layer, side).clone() for side in new_bases}
@@ -324,7 +327,9 @@ def _update_lazy_gap(layer: RefreshTarget, similarity: float) -> None:
         layer._set_counter("galore_agree_count", 0)
 
 
-def _transport_moments(layer: RefreshTarget, optimizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+def _transport_moments(
+    layer: RefreshTarget, optimizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+) -> None:
     # First moment: exact change of coordinates (it is a linear function of past projected
     # gradients). Second moment: no exact transport exists for an elementwise statistic; mapping it
     # with the squared transport matrix keeps it non-negative and exact for permutations/sign flips.

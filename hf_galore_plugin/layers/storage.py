@@ -98,7 +98,12 @@ class StoredTensor:
 
         scheme, bits = QUANT_SCHEMES[self.storage]
         return quantize(
-            value, scheme=scheme, bits=bits, block_size=self.group_size, stochastic=generator is not None, generator=generator
+            value,
+            scheme=scheme,
+            bits=bits,
+            block_size=self.group_size,
+            stochastic=generator is not None,
+            generator=generator,
         )
 
     def store(self, value: torch.Tensor, *, generator: Optional[torch.Generator] = None) -> None:
@@ -269,7 +274,9 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> tor
     return rounded.view(torch.float32).to(torch.bfloat16)
 
 
-def _relative_rms(approx: torch.Tensor, exact: torch.Tensor, chunk: int = 1 << 22, *, every_chunk: bool = False) -> float:
+def _relative_rms(
+    approx: torch.Tensor, exact: torch.Tensor, chunk: int = 1 << 22, *, every_chunk: bool = False
+) -> float:
     """rms(approx - exact) / rms(exact), summed over chunks of `chunk` values so that measuring the
     quantization error of a large weight adds no full-size temporaries to a refresh step.
 

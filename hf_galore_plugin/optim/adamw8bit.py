@@ -142,7 +142,9 @@ def quantize_moment(
     quantize_dynamic_blockwise(value, signed=signed, block_size=block_size, codes_out=codes, scales_out=scales)
     if residual is not None:
         error = value - dequantize_dynamic_blockwise(codes, scales, block_size=block_size)
-        quantize_dynamic_blockwise(error, signed=True, block_size=block_size, codes_out=residual[0], scales_out=residual[1])
+        quantize_dynamic_blockwise(
+            error, signed=True, block_size=block_size, codes_out=residual[0], scales_out=residual[1]
+        )
 
 
 def _dequantize_tile(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -257,10 +259,7 @@ def adamw8bit_step_triton(
 
 def _cpp_applies(param: torch.Tensor, grad: torch.Tensor) -> bool:
     return (
-        param.dtype == torch.float32
-        and grad.dtype == torch.float32
-        and param.is_contiguous()
-        and grad.is_contiguous()
+        param.dtype == torch.float32 and grad.dtype == torch.float32 and param.is_contiguous() and grad.is_contiguous()
     )
 
 

@@ -29,7 +29,13 @@ from types import ModuleType
 
 import torch
 
-from hf_galore_plugin.quant.dynamic import LOOKUP_BASE, LOOKUP_BUCKETS, LOOKUP_SHIFT, code_lookup_table, dynamic_code_book
+from hf_galore_plugin.quant.dynamic import (
+    LOOKUP_BASE,
+    LOOKUP_BUCKETS,
+    LOOKUP_SHIFT,
+    code_lookup_table,
+    dynamic_code_book,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -146,9 +146,7 @@ def main(out: str) -> None:
         with whole:
             weights = {k: full(v).detach().clone() for k, v in merged_state_dict(model).items()}
         del forward  # DDP's reducer, released before the process group goes
-    multipliers = {
-        name.replace("_fsdp_wrapped_module.", ""): layer.alpha for name, layer in galore_layers(model)
-    }
+    multipliers = {name.replace("_fsdp_wrapped_module.", ""): layer.alpha for name, layer in galore_layers(model)}
     for name, layer in galore_layers(model):
         saved = layer.state_dict()  # what a checkpoint holds
         buffers = {counter: int(saved[counter]) for counter in COUNTER_NAMES}
