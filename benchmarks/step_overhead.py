@@ -123,6 +123,18 @@ class Runner:
         self.galore_layers = sum(type(m).__name__ == "GaLoreLinear" for m in self.model.modules())
         self.linear_layers = sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())
 
+    def calibrate(self, tokens: torch.Tensor) -> None:
+        """Step until every GaLore layer has its first basis: under the staggered default a layer calibrates
+        at the step of its phase, so the timed steps would otherwise include calibrations."""
+        from hf_galore_plugin.layers import GaLoreLinear
+
+        layers = [m for m in self.model.modules() if isinstance(m, GaLoreLinear)]
+        for _ in range(1000):
+            if all(layer.calibrated and not layer.refresh_due for layer in layers):
+                return
+            self.step(tokens)
+        raise RuntimeError(f"{self.method}: layers not calibrated after 1000 steps")
+
     def step(self, tokens: torch.Tensor) -> None:
         loss = self.model(input_ids=tokens, labels=tokens).loss
         loss.backward()
@@ -143,9 +155,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         0, size["vocab_size"], (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)
     )
     runners = [Runner(method, size, args.rank) for method in args.methods]
-    for runner in runners:  # calibration (the first basis) and warm-up
+    for runner in runners:  # calibration (the first basis of every layer) and warm-up
         for _ in range(3):
             runner.step(tokens)
+        runner.calibrate(tokens)
     counts = {}
     for runner in runners:
         with OpCount() as mode:
