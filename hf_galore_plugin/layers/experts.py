@@ -252,12 +252,20 @@ class GaLoreExpertStack(GaLoreLinear):
                 sketches = {side: all_reduce_mean(record[side]) for side, _ in sides}
                 for expert in (e for e in range(self.num_experts) if hit[e]):
                     for side, rank in sides:
-                        new[side][expert] = basis_from_sketch(sketches[side][expert], rank=rank)
+                        sketch = sketches[side][expert]
+                        basis = basis_from_sketch(sketch, rank=rank)
+                        new[side][expert] = (
+                            basis if fake else _complete(basis, _numerical_rank(sketch), old[side][expert])
+                        )
             else:
                 grad = all_reduce_mean(record)
                 for expert in (e for e in range(self.num_experts) if hit[e]):
+                    determined = None if fake else _numerical_rank(grad[expert])
                     for side, rank in sides:
-                        new[side][expert] = _refresh_mod.basis_from_gradient(self, grad[expert], side, rank)
+                        basis = _refresh_mod.basis_from_gradient(self, grad[expert], side, rank)
+                        new[side][expert] = (
+                            basis if determined is None else _complete(basis, determined, old[side][expert])
+                        )
         except BasisError as exc:
             warnings.warn(f"GaLore expert basis refresh failed ({exc}); keeping the previous bases", stacklevel=4)
             self._set_counter("galore_last_refresh", self.counter("galore_step"))
@@ -326,7 +334,9 @@ class GaLoreExpertStack(GaLoreLinear):
             eye = torch.eye(basis.shape[-1], device=basis.device).expand(self.num_experts, -1, -1)
             transports[side] = torch.where(mask.bool(), transport_matrix(old[side], basis), eye)
 
-        def transport(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        def transport(
+            exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, rows: slice
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             if "left" in transports:
                 t = transports["left"][rows]
                 exp_avg, exp_avg_sq = t.mT @ exp_avg, t.square().mT @ exp_avg_sq
@@ -349,7 +359,8 @@ class GaLoreExpertStack(GaLoreLinear):
         start, stop = local_rows(self.galore_factor)
 
         def apply(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if is_dtensor(exp_avg):  # torch's optimizers keep DTensor moments; the package's AdamW local shards
+            # torch's optimizers keep DTensor moments; the package's AdamW passes the local shards.
+            if is_dtensor(exp_avg) and is_dtensor(exp_avg_sq):
                 m, v = fn(local_shard(exp_avg), local_shard(exp_avg_sq), slice(start, stop))
                 return from_local(m, exp_avg), from_local(v, exp_avg_sq)
             if exp_avg.shape[0] != stop - start:
@@ -421,6 +432,46 @@ class GaLoreExpertStack(GaLoreLinear):
         refreshes = self._expert_refreshes()
         nbytes["basis"] += refreshes.numel() * refreshes.element_size()
         return nbytes
+
+
+def _numerical_rank(matrix: torch.Tensor) -> int:
+    """The rank of `matrix` at fp32 precision: its singular values above max(shape) * eps * the largest (the
+    rule of LAPACK's and numpy's matrix_rank)."""
+    values = torch.linalg.svdvals(matrix.detach().to(torch.float32))
+    if values.numel() == 0 or float(values[0]) == 0.0:
+        return 0
+    return int((values > float(values[0]) * max(matrix.shape) * torch.finfo(torch.float32).eps).sum())
+
+
+def _complete(basis: torch.Tensor, determined: int, previous: torch.Tensor) -> torch.Tensor:
+    """`basis` (d x r) with its columns past the first `determined` replaced by directions rounding cannot move.
+
+    An expert that received fewer tokens than the rank in the recorded step has a gradient (and sketch) of
+    rank below r: a decomposition returns its top `determined` singular vectors and then vectors of singular
+    value ~0, which the last bits of the input pick, so two runs that sum in another order (data-parallel
+    ranks against one process) get different ones. Those columns are replaced by the expert's previous basis
+    vectors, then the coordinate axes, each with the columns before it projected out (Gram-Schmidt, twice),
+    taken while at least half of it is left: a continuous function of the determined columns, so the
+    directions the gradient does not fix stay where they were.
+    """
+    dim, rank = basis.shape
+    if determined >= rank:
+        return basis
+    columns = list(basis[:, :determined].unbind(1))
+    candidates = torch.cat([previous.to(basis.dtype), torch.eye(dim, dtype=basis.dtype, device=basis.device)], 1)
+    for threshold in (0.5, 1e-3):
+        for candidate in candidates.unbind(1):
+            if len(columns) == rank:
+                break
+            vector = candidate
+            for _ in range(2):
+                if columns:
+                    kept = torch.stack(columns, 1)
+                    vector = vector - kept @ (kept.mT @ vector)
+            norm = float(vector.norm())
+            if norm > threshold:
+                columns.append(vector / norm)
+    return torch.stack(columns, 1).contiguous()
 
 
 def _even_split(total: int, parts: int) -> list[int]:

@@ -9,19 +9,22 @@ The loss is the mean over tokens of equal-length sequences, so the mean of the t
 engines' gradient averaging computes) is the single process's loss. A refresh averages each expert's recorded
 gradient (or sketch) over the ranks; an expert counts as routed to when any rank sent it tokens.
 
-Adam's eps is 1e-3, about the largest gradient element here, not 1e-8. With eps = 1e-8 the first step after
-a moment reset is lr * g / (|g| + eps), the sign of g for every element above 1e-8: a factor element whose
-gradient is smaller than the two-halves-vs-one-batch rounding difference moves by +lr in one run and -lr in
-the other. Measured with eps = 1e-8 (8 steps, default schedule, moment_handling='reset'): expert weights
-7.7e-5 apart, one factor element 0.0167 apart after step 7 (its gradient 4.8e-8, the runs' gradients 8.7e-8
-apart); with every expert left to plain AdamW, the embedding rows are 7.7e-4 apart (rows of tokens that
-appear once: Adam moves them by about lr whatever the size of their gradient). A large eps makes the step
-linear in small gradients, so what is compared is the engines' arithmetic, not Adam's sign function.
+Adam's eps is 1e-2 (the factors' gradient elements are ~1e-3 here), not 1e-8. With eps = 1e-8 the first step
+after a moment reset is lr * g / (|g| + eps), the sign of g for every element above 1e-8: a factor element
+whose gradient is smaller than the two-halves-vs-one-batch rounding difference moves by +lr in one run and
+-lr in the other. Measured with eps = 1e-8 (8 steps, default schedule, moment_handling='reset'): expert
+weights 7.7e-5 apart, one factor element 0.0167 apart after step 7 (its gradient 4.8e-8, the runs'
+gradients 8.7e-8 apart); with every expert left to plain AdamW, the embedding rows are 7.7e-4 apart. With
+eps = 1e-3 the step still multiplies a gradient difference by lr / eps = 10 (embedding and attention
+weights up to 1.7e-6 apart). At 1e-2 the step is close to linear in small gradients, so what is compared is
+the engines' arithmetic, not Adam's sign function; the weights still move by up to ~1e-2 (checked).
 """
 
+import contextlib
 import os
 import sys
 import warnings
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -39,7 +42,12 @@ from torch.distributed.tensor import Shard  # noqa: E402
 
 # Under SCHEDULE=paper: refreshes at steps 0, 3 and 6. Under the default: the 4 expert stacks and 8 attention
 # layers in 3 staggered phases, each layer calibrated at its phase (0, 1 or 2) and refreshed 3 steps later.
-STEPS, GLOBAL_BATCH, SEQ, LR, EPS = 8, 4, 16, 1e-2, 1e-3
+STEPS, LR, EPS = 8, 1e-2, 1e-2
+# SPARSE=1: 8 experts, top-1 routing, 2 sequences of 4 tokens a step (one per rank): experts get no tokens
+# in a refresh step (they keep their basis and moments) or tokens on one rank only (the ranks must agree
+# that they were routed to).
+SPARSE = os.environ.get("SPARSE") == "1"
+GLOBAL_BATCH, SEQ, EXPERTS, TOP_K = (2, 4, 8, 1) if SPARSE else (4, 16, 4, 2)
 
 
 def build():
@@ -47,14 +55,17 @@ def build():
 
     config = transformers.Qwen3MoeConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
         decoder_sparse_step=1, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config)
-    schedule = PAPER_REFRESH if os.environ["SCHEDULE"] == "paper" else {}
+    # paper: aligned + exact SVD; aligned: aligned + the default sketch; default: staggered + sketch.
+    schedule = {"paper": PAPER_REFRESH, "aligned": {"refresh_schedule": "aligned"}, "default": {}}[
+        os.environ["SCHEDULE"]
+    ]
     galore = GaLoreConfig.preset(
-        os.environ["PRESET"], rank=8, expert_rank=4, experts=True, update_proj_gap=3,
+        os.environ["PRESET"], rank=2 if SPARSE else 8, expert_rank=4, experts=True, update_proj_gap=3,
         moment_handling=os.environ["MOMENT_HANDLING"], proj_type=os.environ.get("PROJ_TYPE", "std"), **schedule,
     )  # fmt: skip
     return prepare_model(model, galore)
@@ -140,6 +151,7 @@ def main(out: str) -> None:
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     model = build()
+    start = {k: v.detach().clone() for k, v in merged_state_dict(model).items() if ".experts." in k}
     if engine.startswith("zero"):
         losses, refreshes = train_deepspeed(model, int(engine[-1]), rank, world)
     else:
@@ -149,19 +161,20 @@ def main(out: str) -> None:
         for total in losses:
             dist.all_reduce(total)
             total /= world
-    context = None
+    context: Any = contextlib.nullcontext()
     if engine == "zero3":  # ZeRO-3 partitions every parameter: gather them all (a tiny model) to merge.
         import deepspeed
 
         context = deepspeed.zero.GatheredParameters(list(model.parameters()))
-        context.__enter__()
-    weights = {k: whole(v).detach().clone() for k, v in merged_state_dict(model).items()}
-    # The experts' own state: bases, counters, per-expert refresh counts.
-    experts = {k: whole(v).detach().clone() for k, v in model.state_dict().items() if ".experts." in k}
-    if context is not None:
-        context.__exit__(None, None, None)
+    with context:
+        weights = {k: whole(v).detach().clone() for k, v in merged_state_dict(model).items()}
+        # The experts' own state: bases, counters, per-expert refresh counts.
+        experts = {k: whole(v).detach().clone() for k, v in model.state_dict().items() if ".experts." in k}
     if rank == 0:
-        result = {"losses": [float(x) for x in losses], "weights": weights, "experts": experts, "refreshes": refreshes}
+        moved = max(float((weights[k] - v).abs().max()) for k, v in start.items())
+        result = dict(
+            losses=[float(x) for x in losses], weights=weights, experts=experts, refreshes=refreshes, moved=moved
+        )
         torch.save(result, out)
     shut_down()
 
