@@ -142,6 +142,13 @@ class DeepSpeedGaLoreOptimizer:
         experts a refresh gave a new basis (moment_handling='reset' when some experts kept theirs); the
         layers' moment_handling='project' is refused at construction."""
         utils = import_deepspeed("DeepSpeedGaLoreOptimizer").utils
+        relink = getattr(self.zero_optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if self.zero_stage in (1, 2) and relink is not None:
+            # ZeRO-1/2 link each parameter's view of the optimizer state once, after the first step, to the
+            # state that exists then; a partition whose state was created later (a factor stepped only once its
+            # layer has a basis) has no view yet. Linking again covers every state that exists now.
+            self.zero_optimizer._hp_optimizer_states_linked = False
+            relink()
         moments = [utils.safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
         if any(m is None for m in moments):
             raise NotImplementedError(
