@@ -426,7 +426,7 @@ def test_two_ranks_with_experts_match_single_process(tmp_path, engine, schedule,
     torch.testing.assert_close(torch.tensor(multi["losses"]), torch.tensor(one["losses"]), rtol=LOSS_RTOL, atol=0)
     assert multi["weights"].keys() == one["weights"].keys()
     assert "model.layers.1.mlp.experts.down_proj" in one["weights"]
-    assert one["moved"] > 1e-3  # the expert weights move far beyond the bound they are compared within
+    assert one["moved"] > 1e-4  # the expert weights move far beyond the bound they are compared within (1e-6)
     for key, value in one["weights"].items():
         assert_weights_match(multi["weights"][key], value, key=key)
     refreshed = {key: value for key, value in one["experts"].items() if key.endswith("galore_expert_refreshes")}

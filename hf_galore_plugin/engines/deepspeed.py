@@ -137,16 +137,16 @@ class DeepSpeedGaLoreOptimizer:
             self._first_calibrations.add(id(param))
 
     def transform_state(self, param: torch.Tensor, fn: Any) -> None:
-        """Replace `param`'s fp32 moments by ``fn(exp_avg, exp_avg_sq)`` in ZeRO's partitions (now: the moments
-        exist after the step that preceded the refresh). Used by expert layers to restart the moments of the
-        experts a refresh gave a new basis (moment_handling='reset' when some experts kept theirs); the
-        layers' moment_handling='project' is refused at construction."""
+        """Replace `param`'s fp32 moments by ``fn(exp_avg, exp_avg_sq)`` in ZeRO's partitions, at once (a collective:
+        every rank calls it). Expert layers use it to zero the moments of the experts a refresh gave a new basis
+        (moment_handling='reset' when some experts kept theirs); moment_handling='project' is refused at
+        construction."""
         utils = import_deepspeed("DeepSpeedGaLoreOptimizer").utils
         relink = getattr(self.zero_optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if self.zero_stage in (1, 2) and relink is not None:
             # ZeRO-1/2 link each parameter's view of the optimizer state once, after the first step, to the
-            # state that exists then; a partition whose state was created later (a factor stepped only once its
-            # layer has a basis) has no view yet. Linking again covers every state that exists now.
+            # state that exists then (measured: a factor's view was missing at a later refresh, "exp_avg not
+            # found in optimizer state fragment"). Linking again covers every state that exists now.
             self.zero_optimizer._hp_optimizer_states_linked = False
             relink()
         moments = [utils.safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
