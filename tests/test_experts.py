@@ -379,8 +379,8 @@ def test_expert_options_are_validated():
 ENGINE_RUNS = [
     ("ddp", "default", "keep", "std", False),  # the package's defaults: staggered phases, sketch bases
     ("ddp", "paper", "reset", "std", False),  # aligned refresh, exact SVD of the dense per-expert record
-    # 8 experts, top-1, 4 tokens a rank: experts without tokens (keep basis and moments), experts routed to on
-    # one rank only, per-expert records of lower rank than expert_rank
+    # 7 experts, top-1, 4 tokens a rank: experts without tokens (keep basis and moments), experts routed to on
+    # one rank only, per-expert records of lower rank than expert_rank; FSDP2 cuts the experts 4 + 3
     ("ddp", "default", "reset", "std", True),
     ("fsdp2", "default", "keep", "std", False),  # factor and W0 sharded on the expert dimension
     ("fsdp2", "default", "keep", "left", False),  # left bases: each rank folds its experts' P_e B_e
