@@ -122,8 +122,9 @@ class GaLoreExpertStack(GaLoreLinear):
         if tuple(self.galore_factor.shape) != expected:
             raise RuntimeError(
                 f"GaLore expert factor has shape {tuple(self.galore_factor.shape)}, expected {expected}: an engine "
-                "holds it as a flat shard (FSDP1, DeepSpeed ZeRO-3), which expert layers do not support yet; train "
-                "MoE experts with GaLore in a single process or under DDP"
+                "holds it as a flat 1-D shard and it was used outside a gather. Under DeepSpeed ZeRO-3 pass "
+                "hf_galore_plugin.engines.deepspeed.DeepSpeedGaLoreOptimizer to after_step and merge inside "
+                "deepspeed.zero.GatheredParameters; expert layers are tested under DDP, FSDP2 and ZeRO-2/3"
             )
 
     def extra_repr(self) -> str:
@@ -450,9 +451,10 @@ def _complete(basis: torch.Tensor, determined: int, previous: torch.Tensor) -> t
     rank below r: a decomposition returns its top `determined` singular vectors and then vectors of singular
     value ~0, which the last bits of the input pick, so two runs that sum in another order (data-parallel
     ranks against one process) get different ones. Those columns are replaced by the expert's previous basis
-    vectors, then the coordinate axes, each with the columns before it projected out (Gram-Schmidt, twice),
-    taken while at least half of it is left: a continuous function of the determined columns, so the
-    directions the gradient does not fix stay where they were.
+    vectors, then the coordinate axes, each with the columns before it projected out (Gram-Schmidt, twice)
+    and taken when more than half of its length is left: a continuous function of the determined columns,
+    and the directions the gradient does not fix stay where they were. With a dense record ('svd', 'randomized')
+    the rank costs one more decomposition (singular values only) of each refreshed expert's m x n gradient.
     """
     dim, rank = basis.shape
     if determined >= rank:
