@@ -29,6 +29,7 @@ from .engines.contract import gathers_parameters
 from .engines.fsdp1 import check_fsdp1_layers, fsdp1_units, group_by_unit, had_gradient, summon_unit
 from .inject import galore_state_per_layer, iter_galore_layers, iter_galore_layers_by_key, replace_targets, unload
 from .layers import GaLoreLinear
+from .layers.experts import GaLoreExpertStack
 from .layers.linear import scale_bases
 from .layers.schedule import StepClock
 from .loss import disable_chunked_loss, enable_chunked_loss
@@ -273,10 +274,13 @@ def create_optimizer(
         if id(layer) not in fsdp1_managed and not hasattr(layer.galore_factor, "ds_id"):
             layer._check_factor_layout()
         if is_dtensor(layer.galore_factor):
+            # An expert stack is sharded by expert: each rank holds whole factors (and moments) of its experts,
+            # so transporting them needs no other rank's rows, whatever the side of the basis.
             check_moment_handling(
                 "fsdp2",
                 moment_handling=config.moment_handling,
-                left_basis=layer.left_rank is not None and not layer.left_identity,
+                left_basis=(layer.left_rank is not None and not layer.left_identity)
+                and not isinstance(layer, GaLoreExpertStack),
                 layer=name,
             )
     if param_groups is None:

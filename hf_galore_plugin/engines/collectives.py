@@ -25,6 +25,7 @@ __all__ = [
     "from_local",
     "full_tensor",
     "is_dtensor",
+    "local_rows",
     "local_shard",
     "one_row_per_shard",
     "same_layout",
@@ -94,6 +95,31 @@ def one_row_per_shard(t: "DTensor") -> tuple[int, list[int], list[Any]]:
         else:
             raise NotImplementedError(f"DTensor placement {placement} is not supported (Shard and Replicate are)")
     return shards, largest, placements
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """The rows [start, stop) of dimension 0 that this rank holds of `t`: all of them for a plain tensor, the
+    rank's chunk for a DTensor sharded on dimension 0 (FSDP2's default ``Shard(0)``; replicated over any other
+    mesh dimension, as in HSDP). torch.chunk-style sharding: each chunk holds ceil(rows / mesh size) rows, the
+    last ones fewer or none. Raises for any other placement (a shard of another dimension, a partial sum)."""
+    if not is_dtensor(t):
+        return 0, int(t.shape[0])
+    start, length = 0, int(t.shape[0])
+    for mesh_dim, placement in enumerate(t.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if not (isinstance(placement, Shard) and placement.dim == 0):
+            raise NotImplementedError(
+                f"a DTensor placed {tuple(t.placements)} holds parts of every row; GaLore expert layers need their "
+                "expert dimension (0) sharded (Shard(0), FSDP2's default) or replicated"
+            )
+        size = -(-length // t.device_mesh.size(mesh_dim))
+        offset = min(t.device_mesh.get_local_rank(mesh_dim) * size, length)
+        start, length = start + offset, min(size, length - offset)
+    local = int(t.to_local().shape[0])
+    if local != length:
+        raise RuntimeError(f"a DTensor's local shard holds {local} rows where chunking predicts {length}")
+    return start, start + length
 
 
 def world_size() -> int:

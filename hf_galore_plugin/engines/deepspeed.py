@@ -136,6 +136,29 @@ class DeepSpeedGaLoreOptimizer:
             # zero (in fp32, and as 8-bit codes of the code book's exact zero), whatever shares its blocks.
             self._first_calibrations.add(id(param))
 
+    def transform_state(self, param: torch.Tensor, fn: Any) -> None:
+        """Replace `param`'s fp32 moments by ``fn(exp_avg, exp_avg_sq)`` in ZeRO's partitions, at once (a collective:
+        every rank calls it). Expert layers use it to zero the moments of the experts a refresh gave a new basis
+        (moment_handling='reset' when some experts kept theirs); moment_handling='project' is refused at
+        construction."""
+        utils = import_deepspeed("DeepSpeedGaLoreOptimizer").utils
+        relink = getattr(self.zero_optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if self.zero_stage in (1, 2) and relink is not None:
+            # ZeRO-1/2 link each parameter's view of the optimizer state once, after the first step, to the
+            # state that exists then (measured: a factor's view was missing at a later refresh, "exp_avg not
+            # found in optimizer state fragment"). Linking again covers every state that exists now.
+            self.zero_optimizer._hp_optimizer_states_linked = False
+            relink()
+        moments = [utils.safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
+        if any(m is None for m in moments):
+            raise NotImplementedError(
+                "cannot transform the 8-bit optimizer state of one factor inside a ZeRO flat partition; use "
+                "state_bits=32, or moment_handling='keep'"
+            )
+        exp_avg, exp_avg_sq = fn(moments[0].float(), moments[1].float())
+        utils.safe_set_full_optimizer_state(param, exp_avg, "exp_avg")
+        utils.safe_set_full_optimizer_state(param, exp_avg_sq, "exp_avg_sq")
+
     # ------------------------------------------------------------------ internals
     def _apply_pending_resets(self, optimizer, args, kwargs) -> None:
         # ZeRO steps the client optimizer one group at a time (ZeRO-1/2: param_groups holds just that

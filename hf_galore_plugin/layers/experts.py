@@ -38,7 +38,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
-from ..engines.collectives import all_reduce_mean, full_tensor
+from ..engines.collectives import all_reduce_mean, from_local, full_tensor, is_dtensor, local_rows, local_shard
+from ..engines.collectives import same_layout
 from ..engines.contract import gathered_parameters
 from ..engines.contract import param_changed as _param_changed
 from ..engines.contract import reset_state as _reset_state
@@ -121,8 +122,9 @@ class GaLoreExpertStack(GaLoreLinear):
         if tuple(self.galore_factor.shape) != expected:
             raise RuntimeError(
                 f"GaLore expert factor has shape {tuple(self.galore_factor.shape)}, expected {expected}: an engine "
-                "holds it as a flat shard (FSDP1, DeepSpeed ZeRO-3), which expert layers do not support yet; train "
-                "MoE experts with GaLore in a single process or under DDP"
+                "holds it as a flat 1-D shard and it was used outside a gather. Under DeepSpeed ZeRO-3 pass "
+                "hf_galore_plugin.engines.deepspeed.DeepSpeedGaLoreOptimizer to after_step and merge inside "
+                "deepspeed.zero.GatheredParameters; expert layers are tested under DDP, FSDP2 and ZeRO-2/3"
             )
 
     def extra_repr(self) -> str:
@@ -251,12 +253,20 @@ class GaLoreExpertStack(GaLoreLinear):
                 sketches = {side: all_reduce_mean(record[side]) for side, _ in sides}
                 for expert in (e for e in range(self.num_experts) if hit[e]):
                     for side, rank in sides:
-                        new[side][expert] = basis_from_sketch(sketches[side][expert], rank=rank)
+                        sketch = sketches[side][expert]
+                        basis = basis_from_sketch(sketch, rank=rank)
+                        new[side][expert] = (
+                            basis if fake else _complete(basis, _numerical_rank(sketch), old[side][expert])
+                        )
             else:
                 grad = all_reduce_mean(record)
                 for expert in (e for e in range(self.num_experts) if hit[e]):
+                    determined = None if fake else _numerical_rank(grad[expert])
                     for side, rank in sides:
-                        new[side][expert] = _refresh_mod.basis_from_gradient(self, grad[expert], side, rank)
+                        basis = _refresh_mod.basis_from_gradient(self, grad[expert], side, rank)
+                        new[side][expert] = (
+                            basis if determined is None else _complete(basis, determined, old[side][expert])
+                        )
         except BasisError as exc:
             warnings.warn(f"GaLore expert basis refresh failed ({exc}); keeping the previous bases", stacklevel=4)
             self._set_counter("galore_last_refresh", self.counter("galore_step"))
@@ -318,23 +328,50 @@ class GaLoreExpertStack(GaLoreLinear):
         mask = torch.tensor(hit, dtype=torch.float32, device=self.galore_factor.device).view(-1, 1, 1)
         if handling == "reset":
             # Zero the refreshed experts' moments; the factor's step counter is shared by all experts and runs on.
-            _transform_state(optimizer, self.galore_factor, lambda m, v: (m * (1 - mask), v * (1 - mask)))
+            self._transform_moments(optimizer, lambda m, v, rows: (m * (1 - mask[rows]), v * (1 - mask[rows])))
             return
         transports = {}
         for side, basis in new.items():
             eye = torch.eye(basis.shape[-1], device=basis.device).expand(self.num_experts, -1, -1)
             transports[side] = torch.where(mask.bool(), transport_matrix(old[side], basis), eye)
 
-        def transport(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def transport(
+            exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, rows: slice
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             if "left" in transports:
-                t = transports["left"]
+                t = transports["left"][rows]
                 exp_avg, exp_avg_sq = t.mT @ exp_avg, t.square().mT @ exp_avg_sq
             if "right" in transports:
-                t = transports["right"]
+                t = transports["right"][rows]
                 exp_avg, exp_avg_sq = exp_avg @ t, exp_avg_sq @ t.square()
             return exp_avg, exp_avg_sq
 
-        _transform_state(optimizer, self.galore_factor, transport)
+        self._transform_moments(optimizer, transport)
+
+    def _transform_moments(
+        self,
+        optimizer: torch.optim.Optimizer,
+        fn: Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Apply `fn(exp_avg, exp_avg_sq, rows)` to the factor's moments, `rows` the experts they hold: all of
+        them, or under FSDP2 (moments sharded on the expert dimension like the factor) this rank's experts,
+        whose moments are whole (per-expert transforms need no communication, whatever the basis side)."""
+
+        start, stop = local_rows(self.galore_factor)
+
+        def apply(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # torch's optimizers keep DTensor moments; the package's AdamW passes the local shards.
+            if is_dtensor(exp_avg) and is_dtensor(exp_avg_sq):
+                m, v = fn(local_shard(exp_avg), local_shard(exp_avg_sq), slice(start, stop))
+                return from_local(m, exp_avg), from_local(v, exp_avg_sq)
+            if exp_avg.shape[0] != stop - start:
+                raise RuntimeError(
+                    f"the moments of a GaLore expert factor have shape {tuple(exp_avg.shape)}, expected {stop - start} "
+                    "experts first: an engine holds them in another layout, which expert layers do not support"
+                )
+            return fn(exp_avg, exp_avg_sq, slice(start, stop))
+
+        _transform_state(optimizer, self.galore_factor, apply)
 
     # ------------------------------------------------------------------ merged weight
     # lowrank_delta is GaLoreLinear's: its matmuls batch over the expert dimension (E x m x n).
@@ -347,21 +384,24 @@ class GaLoreExpertStack(GaLoreLinear):
         self._check_factor_layout()
         factor = full_tensor(self.galore_factor.detach())
         p, q = self.basis("left", torch.float32), self.basis("right", torch.float32)
-        weight = self.weight
+        # FSDP2 shards W0 on the expert dimension: each rank folds the experts it holds (bases and the
+        # gathered factor are whole on every rank).
+        start, stop = (0, self.num_experts) if self.weight is None else local_rows(self.weight)
+        weight = None if self.weight is None else local_shard(self.weight.detach())
         store = self._weight_store
         stochastic = self.config.stochastic_rounding
         error_sq = norm_sq = 0.0
-        for expert in range(self.num_experts):
+        for expert in range(start, stop):
             delta = factor[expert].to(torch.float32)
             if q is not None:
                 delta = delta @ q[expert].mT
             if p is not None:
                 delta = p[expert] @ delta
             if weight is not None:
-                merged = weight[expert].to(torch.float32) * self._alpha + delta * self.config.scale
+                merged = weight[expert - start].to(torch.float32) * self._alpha + delta * self.config.scale
                 if weight.dtype == torch.bfloat16 and stochastic:
                     merged = stochastic_round_to_bf16(merged, self._next_generator(merged.device))
-                weight[expert].copy_(merged)
+                weight[expert - start].copy_(merged)
             else:
                 assert store is not None
                 merged = store.value_slice(expert, torch.float32) * self._alpha + delta * self.config.scale
@@ -371,14 +411,69 @@ class GaLoreExpertStack(GaLoreLinear):
         if store is not None and norm_sq > 0:
             store.error = (error_sq / norm_sq) ** 0.5
         self._reset_base()
-        self.galore_factor.detach().zero_()
+        local_shard(self.galore_factor.detach()).zero_()
         _param_changed(optimizer, self.galore_factor)
+
+    def _local_lowrank_delta(self, like: torch.Tensor) -> torch.Tensor:
+        """The low-rank deltas of the experts this rank holds of W0 (the DTensor `like`, sharded by expert)."""
+        start, stop = local_rows(like)
+        if not same_layout(self.galore_factor, like):
+            return self.lowrank_delta(torch.float32)[start:stop]  # gathers the factor (a collective)
+        # Each expert's delta P_e B_e Q_e^T needs only its own factor: local to the shard, whatever the side.
+        delta = local_shard(self.galore_factor.detach()).to(torch.float32)
+        p, q = self.basis("left", torch.float32), self.basis("right", torch.float32)
+        if q is not None:
+            delta = delta @ q[start:stop].mT
+        if p is not None:
+            delta = p[start:stop] @ delta
+        return delta * self.config.scale
 
     def state_nbytes(self) -> dict[str, int]:
         nbytes = super().state_nbytes()
         refreshes = self._expert_refreshes()
         nbytes["basis"] += refreshes.numel() * refreshes.element_size()
         return nbytes
+
+
+def _numerical_rank(matrix: torch.Tensor) -> int:
+    """The rank of `matrix` at fp32 precision: its singular values above max(shape) * eps * the largest (the
+    rule of LAPACK's and numpy's matrix_rank)."""
+    values = torch.linalg.svdvals(matrix.detach().to(torch.float32))
+    if values.numel() == 0 or float(values[0]) == 0.0:
+        return 0
+    return int((values > float(values[0]) * max(matrix.shape) * torch.finfo(torch.float32).eps).sum())
+
+
+def _complete(basis: torch.Tensor, determined: int, previous: torch.Tensor) -> torch.Tensor:
+    """`basis` (d x r) with its columns past the first `determined` replaced by directions rounding cannot move.
+
+    An expert that received fewer tokens than the rank in the recorded step has a gradient (and sketch) of
+    rank below r: a decomposition returns its top `determined` singular vectors and then vectors of singular
+    value ~0, which the last bits of the input pick, so two runs that sum in another order (data-parallel
+    ranks against one process) get different ones. Those columns are replaced by the expert's previous basis
+    vectors, then the coordinate axes, each with the columns before it projected out (Gram-Schmidt, twice)
+    and taken when more than half of its length is left: a continuous function of the determined columns,
+    and the directions the gradient does not fix stay where they were. With a dense record ('svd', 'randomized')
+    the rank costs one more decomposition (singular values only) of each refreshed expert's m x n gradient.
+    """
+    dim, rank = basis.shape
+    if determined >= rank:
+        return basis
+    columns = list(basis[:, :determined].unbind(1))
+    candidates = torch.cat([previous.to(basis.dtype), torch.eye(dim, dtype=basis.dtype, device=basis.device)], 1)
+    for threshold in (0.5, 1e-3):
+        for candidate in candidates.unbind(1):
+            if len(columns) == rank:
+                break
+            vector = candidate
+            for _ in range(2):
+                if columns:
+                    kept = torch.stack(columns, 1)
+                    vector = vector - kept @ (kept.mT @ vector)
+            norm = float(vector.norm())
+            if norm > threshold:
+                columns.append(vector / norm)
+    return torch.stack(columns, 1).contiguous()
 
 
 def _even_split(total: int, parts: int) -> list[int]:
