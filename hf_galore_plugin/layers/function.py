@@ -82,7 +82,6 @@ class DequantizedBaseLinear(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dy: torch.Tensor):
         t, b, p, q = ctx.saved_tensors
         x_dtype, factor_dtype, bias_dtype = ctx.dtypes
