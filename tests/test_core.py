@@ -65,7 +65,9 @@ def test_forward_and_gradients_match_dense_linear(proj_type, shape, weight_stora
     config = GaLoreConfig(rank=4, proj_type=proj_type, weight_storage=weight_storage)
     model = prepare_model(nn.Sequential(nn.Linear(n, m)), config)
     if weight_storage == "as_loaded":
-        model[0].load_state_dict({**model[0].state_dict(), "weight": dense.weight.detach(), "bias": dense.bias.detach()})
+        model[0].load_state_dict(
+            {**model[0].state_dict(), "weight": dense.weight.detach(), "bias": dense.bias.detach()}
+        )
     else:
         model[0].load_state_dict({**model[0].state_dict(), "bias": dense.bias.detach()})
     layer = model[0]

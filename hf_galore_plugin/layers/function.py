@@ -1,22 +1,27 @@
-"""The per-step code of a GaLore layer: its forward, written so that autograd derives the backward.
+"""The per-step code of a GaLore layer: its forward and, for a quantized W0, its backward.
 
     y = alpha * x W0^T + x Q (scale B)^T P^T + bias      (P, Q: the bases, each left out where there is none)
 
 Everything here runs on every training step of every layer, so it is written in launches and in host
 work, the two fixed costs a GPU waits for:
 
-- The forward is the thin GEMMs of the low-rank branch and one ``addmm`` that forms ``alpha * x W0^T``
-  and adds the branch (no pass over the activations for alpha, scale or the sum); scale is applied to
-  the small factor B instead (``scale * B``, r x m values, not N x m).
-- The backward is autograd's own (C++, no Python per layer): W0 does not require a gradient, so the
-  weight GEMM of W0 is skipped and no m x n tensor is formed; dB = scale * (dy P)^T (x Q) comes from the
-  branch's GEMMs, and ``x Q`` (N x r) is what autograd saves for it.
-- A quantized W0 goes through :class:`DequantizedBaseLinear`, whose backward dequantizes W0 again
-  rather than keeping the m x n copy from the forward (which would cost what quantizing saved).
+- W0 as loaded: the forward is the thin GEMMs of the low-rank branch and one ``addmm`` that forms
+  ``alpha * x W0^T`` and adds the branch (no pass over the activations for alpha, scale or the sum);
+  scale is applied to the small factor B instead (``scale * B``, r x m values, not N x m). The backward
+  is autograd's own (C++, no Python per layer): W0 does not require a gradient, so the weight GEMM of W0
+  is skipped and no m x n tensor is formed; dB = scale * (dy P)^T (x Q) comes from the branch's GEMMs,
+  and ``x Q`` (N x r) is what autograd saves for it. A hand-written backward would save three ops per
+  layer (the two ``scale`` multiplies and the sum of the two dX terms) but costs more CPU time than they
+  do as a Python autograd function (measured: BENCHMARKS.md "Step time").
+- W0 stored quantized: :class:`DequantizedBaseLinear`, the whole layer as one autograd node. This path
+  needs a Python function anyway (its backward dequantizes W0 again rather than keeping the m x n copy
+  from the forward, which would cost what quantizing saved), so its backward is written out: scale and
+  alpha are the GEMMs' ``alpha``/``beta`` and the last GEMM sums dX.
 
-Rounding: ``scale * B`` is rounded once in B's dtype (exact for the power-of-two scales of the presets),
-and alpha and the addition of the branch happen inside the GEMM; the result stays within the dense
-reference's tolerances (tests/test_core.py, tests/test_layer_function.py).
+Rounding: ``scale * B`` (plain W0) is rounded once in B's dtype, the GEMMs' ``alpha``/``beta`` (quantized
+W0) round inside the GEMM; both are exact for the power-of-two scales of the presets, and the result stays
+within the dense reference's tolerances (tests/test_core.py,
+``test_forward_and_gradients_match_dense_linear`` for both paths).
 """
 
 from __future__ import annotations
