@@ -124,13 +124,17 @@ class Runner:
         self.linear_layers = sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())
 
     def calibrate(self, tokens: torch.Tensor) -> None:
-        """Step until every GaLore layer has its first basis: under the staggered default a layer calibrates
-        at the step of its phase, so the timed steps would otherwise include calibrations."""
+        """Step until every GaLore layer has its first basis and its optimizer state again: under the staggered
+        default a layer calibrates at the step of its phase, so the counted and timed steps would otherwise
+        include calibrations or the first step after one."""
         from hf_galore_plugin.layers import GaLoreLinear
 
         layers = [m for m in self.model.modules() if isinstance(m, GaLoreLinear)]
         for _ in range(1000):
             if all(layer.calibrated and not layer.refresh_due for layer in layers):
+                # One more step: a calibration resets the factor's optimizer state, which the next step
+                # allocates again (3 ops per layer of the last phase: not an ordinary step's cost).
+                self.step(tokens)
                 return
             self.step(tokens)
         raise RuntimeError(f"{self.method}: layers not calibrated after 1000 steps")

@@ -64,15 +64,26 @@ def test_ordinary_step_makes_no_device_sync_with_a_large_vocabulary(preset):
     assert count.syncs == 0, count.names
 
 
-@pytest.mark.parametrize("preset", ["galore_adamw", "galore_adamw_8bit"])
+# Ops per GaLore layer per ordinary step beyond nn.Linear's (issue 26's target: 8). The quantized preset's
+# reads are one Triton kernel each on a GPU; on the CPU the INT4 basis read is three torch ops (byte to
+# index, table lookup, multiply), two more than the kernel (BENCHMARKS.md, Step time).
+EXTRA_OPS = {"galore_adamw": 8, "galore_adamw_8bit": 8, "qgalore_adamw_8bit": 8 + 2}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_galore_layer_costs_at_most_eight_ops_more_than_nn_linear(preset):
     """Ops that do work (not views or metadata), per GaLore layer per ordinary step, beyond what the same
-    nn.Linear costs under torch's fused AdamW: the low-rank GEMMs, the scale and the gradient sum, and
-    nothing per layer in the step driver. The quantized preset's dequantizations are one kernel each on a
-    GPU but several torch ops in the CPU twin, so it is left out of this count (BENCHMARKS.md, Step time).
-    Without weight decay, as the target was set: with it, alpha != 1 scales dX once more per layer."""
+    nn.Linear costs under torch's fused AdamW: the low-rank GEMMs, and nothing per layer in the step driver.
+    Under the default (staggered) schedule, counted on the first step after the last layer's calibration
+    and the step that recreates its optimizer state (a calibration resets it). Without weight decay, as the
+    target was set: with it, alpha != 1 scales dX once more per layer in autograd's backward."""
     model, _, step = _galore_run(preset, weight_decay=0.0)
     layers = len(hgp.galore_layers(model))
+    phases = {layer.counter("galore_phase") for _, layer in hgp.galore_layers(model)}
+    assert len(phases) > 1, phases  # the default schedule staggers the layers
+    while not all(layer.calibrated and not layer.refresh_due for _, layer in hgp.galore_layers(model)):
+        step()
+    step()
     torch.manual_seed(0)
     plain = build_tiny_llama(**LLAMA)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
@@ -84,7 +95,7 @@ def test_galore_layer_costs_at_most_eight_ops_more_than_nn_linear(preset):
     with OpCount() as linear_ops:
         plain_step()
     extra = (galore_ops.work - linear_ops.work) / layers
-    assert extra <= 8, (extra, galore_ops.names - linear_ops.names)
+    assert extra <= EXTRA_OPS[preset], (extra, galore_ops.names - linear_ops.names)
 
 
 def test_step_driver_does_no_per_layer_work_on_an_ordinary_step(monkeypatch):

@@ -1,22 +1,27 @@
-"""The per-step code of a GaLore layer: its forward, written so that autograd derives the backward.
+"""The per-step code of a GaLore layer: its forward and, for a quantized W0, its backward.
 
     y = alpha * x W0^T + x Q (scale B)^T P^T + bias      (P, Q: the bases, each left out where there is none)
 
 Everything here runs on every training step of every layer, so it is written in launches and in host
 work, the two fixed costs a GPU waits for:
 
-- The forward is the thin GEMMs of the low-rank branch and one ``addmm`` that forms ``alpha * x W0^T``
-  and adds the branch (no pass over the activations for alpha, scale or the sum); scale is applied to
-  the small factor B instead (``scale * B``, r x m values, not N x m).
-- The backward is autograd's own (C++, no Python per layer): W0 does not require a gradient, so the
-  weight GEMM of W0 is skipped and no m x n tensor is formed; dB = scale * (dy P)^T (x Q) comes from the
-  branch's GEMMs, and ``x Q`` (N x r) is what autograd saves for it.
-- A quantized W0 goes through :class:`DequantizedBaseLinear`, whose backward dequantizes W0 again
-  rather than keeping the m x n copy from the forward (which would cost what quantizing saved).
+- W0 as loaded: the forward is the thin GEMMs of the low-rank branch and one ``addmm`` that forms
+  ``alpha * x W0^T`` and adds the branch (no pass over the activations for alpha, scale or the sum);
+  scale is applied to the small factor B instead (``scale * B``, r x m values, not N x m). The backward
+  is autograd's own (C++, no Python per layer): W0 does not require a gradient, so the weight GEMM of W0
+  is skipped and no m x n tensor is formed; dB = scale * (dy P)^T (x Q) comes from the branch's GEMMs,
+  and ``x Q`` (N x r) is what autograd saves for it. A hand-written backward would save three ops per
+  layer (the two ``scale`` multiplies and the sum of the two dX terms) but costs more CPU time than they
+  do as a Python autograd function (measured: BENCHMARKS.md "Step time").
+- W0 stored quantized: :class:`DequantizedBaseLinear`, the whole layer as one autograd node. This path
+  needs a Python function anyway (its backward dequantizes W0 again rather than keeping the m x n copy
+  from the forward, which would cost what quantizing saved), so its backward is written out: scale and
+  alpha are the GEMMs' ``alpha``/``beta`` and the last GEMM sums dX.
 
-Rounding: ``scale * B`` is rounded once in B's dtype (exact for the power-of-two scales of the presets),
-and alpha and the addition of the branch happen inside the GEMM; the result stays within the dense
-reference's tolerances (tests/test_core.py, tests/test_layer_function.py).
+Rounding: ``scale * B`` (plain W0) is rounded once in B's dtype, the GEMMs' ``alpha``/``beta`` (quantized
+W0) round inside the GEMM; both are exact for the power-of-two scales of the presets, and the result stays
+within the dense reference's tolerances (tests/test_core.py,
+``test_forward_and_gradients_match_dense_linear`` for both paths).
 """
 
 from __future__ import annotations
@@ -45,25 +50,63 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
 
 
 class DequantizedBaseLinear(torch.autograd.Function):
-    """``h + alpha * x W0^T`` for a W0 stored quantized: `read(dtype)` dequantizes it, in the forward and
-    again in the backward. `x`: N x n, `h`: N x m (the low-rank branch, which fixes the compute dtype)."""
+    """The whole layer, ``bias + alpha * x W0^T + scale * x Q B^T P^T``, for a W0 stored quantized.
+
+    `read(dtype)` dequantizes W0, in the forward and again in the backward (the m x n copy is never kept
+    across the step). One autograd node with a hand-written backward, because this path pays a Python
+    function anyway: alpha and scale are the ``alpha``/``beta`` of the GEMMs (no pass over activations,
+    no ``scale * B``), ``x Q`` is saved from the forward, and the two contributions to dX are summed by the
+    last GEMM instead of a separate add. Forward: ``x Q``, the branch's GEMMs (the last one adds the bias),
+    one ``addmm`` with W0; backward: dB, the branch back to dX, one ``addmm`` with W0.
+
+    `x`: N x n, `p` (m x r), `q` (n x r): the bases in `dtype` (the compute dtype), or None; `factor`,
+    `x` and `bias` are cast to `dtype` inside, their gradients returned in their own dtypes.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, h: torch.Tensor, read: Callable[[torch.dtype], torch.Tensor], alpha: float):
-        dtype = h.dtype
+    def forward(ctx: Any, x: torch.Tensor, factor: torch.Tensor, bias: Optional[torch.Tensor],
+                read: Callable[[torch.dtype], torch.Tensor], p: Optional[torch.Tensor], q: Optional[torch.Tensor],
+                alpha: float, scale: float, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        xc = x if x.dtype == dtype else x.to(dtype)
+        b = factor if factor.dtype == dtype else factor.to(dtype)
+        t = xc if q is None else xc @ q
+        if p is None:
+            u, last = t, b.mT
+        else:
+            u, last = t @ b.mT, p.mT
+        if bias is None:
+            low = torch.addmm(_zero(u), u, last, beta=0, alpha=scale)
+        else:
+            low = torch.addmm(bias if bias.dtype == dtype else bias.to(dtype), u, last, alpha=scale)
         base = read(dtype)
-        y = torch.addmm(h, x.to(dtype), base.mT, alpha=alpha)
+        y = torch.addmm(low, xc, base.mT, alpha=alpha)
         del base  # freed here, one layer at a time
-        ctx.read, ctx.alpha = read, alpha
+        ctx.save_for_backward(t, b, p, q)
+        ctx.read, ctx.alpha, ctx.scale = read, alpha, scale
+        ctx.dtypes = (x.dtype, factor.dtype, None if bias is None else bias.dtype)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
-        grad_x = None
-        if ctx.needs_input_grad[0]:
+        t, b, p, q = ctx.saved_tensors
+        x_dtype, factor_dtype, bias_dtype = ctx.dtypes
+        needs_x, needs_factor, needs_bias = ctx.needs_input_grad[:3]
+        if dy.dtype != t.dtype:
+            dy = dy.to(t.dtype)
+        du = dy if p is None else dy @ p  # the gradient of x Q B^T (unscaled: scale goes into the GEMMs)
+        grad_x = grad_factor = grad_bias = None
+        if needs_factor:
+            grad_factor = torch.addmm(_zero(du), du.mT, t, beta=0, alpha=ctx.scale).to(factor_dtype)
+        if needs_x:
+            low = du @ b
+            if q is not None:
+                low = low @ q.mT
             base = ctx.read(dy.dtype)
-            grad_x = torch.addmm(_zero(dy), dy, base, beta=0, alpha=ctx.alpha)
-        return grad_x, dy, None, None
+            grad_x = torch.addmm(low, dy, base, beta=ctx.scale, alpha=ctx.alpha).to(x_dtype)
+            del base
+        if needs_bias:
+            grad_bias = dy.sum(0).to(bias_dtype)
+        return grad_x, grad_factor, grad_bias, None, None, None, None, None, None
 
 
 def galore_linear(
@@ -86,6 +129,14 @@ def galore_linear(
     with (dy, x) as 2-D tensors when the output's gradient arrives.
     """
     x2 = x.reshape(-1, x.shape[-1])
+    if weight is None and not isinstance(alpha, torch.Tensor):
+        dtype = (p if p is not None else q if q is not None else x2).dtype
+        if p is None and q is None and torch.is_autocast_enabled(x2.device.type):
+            dtype = torch.get_autocast_dtype(x2.device.type)
+        y = DequantizedBaseLinear.apply(x2, factor, bias, read_weight, p, q, alpha, scale, dtype)
+        if record is not None and y.requires_grad:
+            y.register_hook(lambda dy: record(dy, x2))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     h = x2 if q is None else x2 @ q
     scaled = (factor * scale).mT
     if p is not None:
@@ -99,10 +150,9 @@ def galore_linear(
         # specialise on; the compiler fuses the scaling.
         base = weight if weight is not None else read_weight(h.dtype)
         y = torch.addmm(h, x2 * alpha.to(x2.dtype), base.mT)
-    elif weight is not None:
-        y = torch.addmm(h, x2, weight.mT, alpha=alpha)
     else:
-        y = DequantizedBaseLinear.apply(x2, h, read_weight, alpha)
+        assert weight is not None
+        y = torch.addmm(h, x2, weight.mT, alpha=alpha)
     if record is not None and y.requires_grad:
         y.register_hook(lambda dy: record(dy, x2))
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from ..quant.functional import block_multiplier, dequantize_whole_blocks, whole_blocks
+from ..quant.functional import block_multiplier, byte_table, scale_blocks, whole_blocks
 from ..quant.ops import dequantize_stored
 from ..utils import use_triton
 
@@ -229,7 +229,10 @@ class _Reader:
     (``module.to()``, an engine) or written in place (``load_state_dict``, a refresh), as its version
     counter shows. Traced code, Triton and other layouts go through :func:`dequantize_stored`."""
 
-    __slots__ = ("codes", "scales", "zero_points", "kwargs", "shape", "whole", "_source", "_version", "_multiplier")
+    __slots__ = (
+        "codes", "scales", "zero_points", "kwargs", "shape", "whole", "_source", "_version", "_multiplier",
+        "_table",
+    )  # fmt: skip
 
     def __init__(self, name: str, meta: dict[str, Any], has_zero_points: bool) -> None:
         self.codes, self.scales = f"{name}_codes", f"{name}_scales"
@@ -240,9 +243,12 @@ class _Reader:
             numel *= size
         self.kwargs = dict(scheme=meta["scheme"], bits=meta["bits"], block_size=meta["block_size"], numel=numel)
         self.whole = not has_zero_points and whole_blocks(**self.kwargs)
+        # Kept between reads: the per-block multiplier as a column (blocks x 1), for the scales tensor it was
+        # made from (by identity and version counter); the 4-bit byte table of the codes' device.
         self._source: Optional[torch.Tensor] = None
         self._version = -1
         self._multiplier: Optional[torch.Tensor] = None
+        self._table: Optional[torch.Tensor] = None
 
     def read(self, buffers: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
         codes: torch.Tensor = buffers[self.codes]
@@ -251,17 +257,21 @@ class _Reader:
         if not self.whole or type(codes) is not torch.Tensor or torch.compiler.is_compiling() or use_triton(codes):
             zero_points = None if self.zero_points is None else buffers[self.zero_points]
             return dequantize_stored(codes, scales, zero_points, dtype=dtype, **self.kwargs).view(self.shape)
-        scheme, bits = self.kwargs["scheme"], self.kwargs["bits"]
+        kwargs = self.kwargs
         multiplier = self._multiplier
         if scales.is_inference():  # no version counter to tell a write by: not kept
-            multiplier = block_multiplier(scales, scheme=scheme, bits=bits)
+            multiplier = block_multiplier(scales, scheme=kwargs["scheme"], bits=kwargs["bits"])[:, None]
         elif multiplier is None or self._source is not scales or self._version != scales._version:
-            multiplier = self._multiplier = block_multiplier(scales, scheme=scheme, bits=bits)
-            self._source, self._version = scales, scales._version
-        flat = dequantize_whole_blocks(
-            codes, multiplier, scheme=scheme, bits=bits, block_size=self.kwargs["block_size"], dtype=dtype
-        )
-        return flat.view(self.shape)
+            multiplier = block_multiplier(scales, scheme=kwargs["scheme"], bits=kwargs["bits"])[:, None]
+            self._multiplier, self._source, self._version = multiplier, scales, scales._version
+        if kwargs["bits"] == 8:
+            blocks = codes.view(-1, kwargs["block_size"])
+        else:
+            table = self._table
+            if table is None or table.device != codes.device:
+                table = self._table = byte_table(kwargs["scheme"], codes.device)
+            blocks = torch.index_select(table, 0, codes.long()).view(-1, kwargs["block_size"])
+        return scale_blocks(blocks, multiplier, dtype).view(self.shape)
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
