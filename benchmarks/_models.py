@@ -134,7 +134,9 @@ def qwen3_moe_config(shape: Shape, **overrides: Any):
 
     if isinstance(shape, str):
         if shape not in MOE_SHAPES:
-            raise ValueError(f"unknown MoE shape {shape!r}; choose one of {sorted(MOE_SHAPES)} or pass a dict of fields")
+            raise ValueError(
+                f"unknown MoE shape {shape!r}; choose one of {sorted(MOE_SHAPES)} or pass a dict of fields"
+            )
         shape = MOE_SHAPES[shape]
     fields = {"max_position_embeddings": 2048, "tie_word_embeddings": False, "decoder_sparse_step": 1,
               "mlp_only_layers": [], **shape, **overrides}  # fmt: skip
