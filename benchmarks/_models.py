@@ -59,6 +59,24 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 # fmt: on
 
+# Mixture-of-experts shapes by name: the Qwen3MoeConfig fields (transformers' Qwen3-MoE: one fused
+# `Qwen3MoeExperts` per decoder layer, every layer sparse). The experts keep Qwen3-30B-A3B's proportions,
+# moe_intermediate / hidden = 768 / 2048 = 0.375, so each expert's gate_up (2I x H) and down (H x I)
+# matrices have the full model's aspect ratios and an expert rank r here stands for r x 2048 / hidden
+# there at the same r / min(m, n).
+# fmt: off
+MOE_SHAPES: dict[str, dict[str, int]] = {
+    # quality.py --size tiny-moe: hidden 128 as tiny-h128, 8 experts of 48 (1/16 of Qwen3-30B-A3B's 768), top 2
+    "tiny-moe-h128": dict(hidden_size=128, moe_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                          vocab_size=1024),
+    # quality.py --quick-moe: seconds on a CPU
+    "tiny-moe-h64": dict(hidden_size=64, moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                         vocab_size=512),
+}
+# fmt: on
+
 Shape = Union[str, dict[str, int]]
 
 
@@ -103,6 +121,41 @@ def build_llama(shape: Shape, *, seed: int, init_device=None, device=None, dtype
     torch.manual_seed(seed)
     with torch.device(init_device) if init_device is not None else contextlib.nullcontext():
         model = LlamaForCausalLM(config)
+    if device is not None or dtype is not None:
+        model = model.to(device=device, dtype=dtype)
+    return model
+
+
+def qwen3_moe_config(shape: Shape, **overrides: Any):
+    """The Qwen3MoeConfig of `shape` (a name in MOE_SHAPES or a dict of Qwen3MoeConfig fields) with
+    `overrides`: every layer sparse (decoder_sparse_step 1, no dense mlp_only_layers), an untied head and
+    2048 positions unless a field says otherwise."""
+    from transformers import Qwen3MoeConfig
+
+    if isinstance(shape, str):
+        if shape not in MOE_SHAPES:
+            raise ValueError(
+                f"unknown MoE shape {shape!r}; choose one of {sorted(MOE_SHAPES)} or pass a dict of fields"
+            )
+        shape = MOE_SHAPES[shape]
+    fields = {"max_position_embeddings": 2048, "tie_word_embeddings": False, "decoder_sparse_step": 1,
+              "mlp_only_layers": [], **shape, **overrides}  # fmt: skip
+    known = set(inspect.signature(Qwen3MoeConfig.__init__).parameters)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{unknown} are not Qwen3MoeConfig fields; spell them as transformers.Qwen3MoeConfig does")
+    return Qwen3MoeConfig(**fields)
+
+
+def build_qwen3_moe(shape: Shape, *, seed: int, device=None, dtype=None, **overrides: Any):
+    """Qwen3MoeForCausalLM of `shape` (see qwen3_moe_config); torch.manual_seed(seed) right before
+    construction, then moved to `device` and `dtype` when given (as build_llama)."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    config = qwen3_moe_config(shape, **overrides)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
     if device is not None or dtype is not None:
         model = model.to(device=device, dtype=dtype)
     return model

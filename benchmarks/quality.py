@@ -3,6 +3,7 @@
     python benchmarks/quality.py                  # CPU default (size "tiny"): the full grid, ~40 min on 2 cores
     python benchmarks/quality.py --quick          # smoke run: every method once, ~1 minute
     python benchmarks/quality.py --size 20m       # the issue's sizes, for a GPU (also: 50m)
+    python benchmarks/quality.py --size tiny-moe  # the mixture-of-experts grid (below), ~20 min on 2 cores
 
 Methods (same initial weights per seed, same batches in the same order, weight decay 0, Adam eps
 1e-8, gradient clipping 1.0, linear warmup over 10% of the steps then cosine decay to 10%):
@@ -24,6 +25,13 @@ reads the finished runs, runs each method's documented rate times every multipli
 first; a multiplier is skipped once a lower one of the list lost to the method's best so far), then
 the missing seeds at every method's best rate; old and new runs together go to --out's runs.jsonl.
 
+Mixture of experts (--size tiny-moe; --quick --size tiny-moe for its smoke run): a Qwen3-MoE of the
+same width (8 experts of intermediate 48, top 2, every layer sparse; _models.MOE_SHAPES) on the same
+data and protocol. Its default methods: AdamW; `galore_adamw` with the experts left to plain AdamW
+state (experts=False, the default); and `galore_adamw_experts_r<R>`, the same preset with the fused
+experts projected (experts=True) at expert_rank R, for R in EXPERT_RANKS. The report's last table
+applies the rule that chooses GaLoreConfig.expert_rank (EXPERT_RANK_RULE).
+
 Written to --out (default outputs/quality): quality.md, quality.json, quality_curves.png.
 """
 
@@ -34,6 +42,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 import sys
 import time
 from typing import Any, Optional
@@ -65,7 +74,24 @@ DOCUMENTED_LR = {
     "galore_adamw": 1e-2, "galore_adamw_8bit": 1e-2, "qgalore_adamw_8bit": 1e-2,
     "lora_r8": 1e-3, "lora_matched": 1e-3, "qlora_nf4": 1e-3,
 }  # fmt: skip
+# Experts projected: `<preset>_experts_r<R>` is the preset with experts=True, expert_rank=R (MoE sizes).
+EXPERT_PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+EXPERT_RANKS = (1, 2, 4, 8)
+EXPERT_METHODS = tuple(f"{p}_experts_r{r}" for p in EXPERT_PRESETS for r in EXPERT_RANKS)
+DOCUMENTED_LR.update({m: DOCUMENTED_LR[m.split("_experts_r")[0]] for m in EXPERT_METHODS})
+# The control of the experts-unprojected row: `galore_adamw` with the plain 3-D experts stepped at lr x scale,
+# the rate at which a projected expert's weight moves, instead of the full lr (which a run's one lr must
+# share with the embeddings and head), so that the comparison is of the projection, not of the rate.
+EXPERT_CONTROL = "galore_adamw_dense_experts_scaled"
+DOCUMENTED_LR[EXPERT_CONTROL] = DOCUMENTED_LR["galore_adamw"]
+ALL_METHODS = METHODS + EXPERT_METHODS + (EXPERT_CONTROL,)
+MOE_METHODS = ("adamw", "galore_adamw", EXPERT_CONTROL) + tuple(f"galore_adamw_experts_r{r}" for r in EXPERT_RANKS)
+# How the grid chooses GaLoreConfig.expert_rank: the smallest expert rank whose held-out loss (mean over
+# the seeds, each method at its best rate) is within this fraction of the same preset with the experts
+# unprojected (the issue's quality target for projected experts).
+EXPERT_RANK_RULE = 0.01
 LR_FACTORS = (1 / 3, 1.0, 3.0)
+GALORE_SCALE = 0.25  # the GaLore paper's pre-training scale
 SEEDS = (0, 1, 2)
 TARGETS = r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 EXTRA_TRAINABLE = r"embed_tokens|lm_head|norm"
@@ -83,11 +109,23 @@ class Size:
     steps: int
     rank: int  # GaLore rank: hidden / 4, the paper's ratio (128 at hidden 512)
     gap: int
+    moe_shape: str = ""  # a name in _models.MOE_SHAPES: a Qwen3-MoE of that shape instead of a Llama
+    intermediate_kind: str = "intermediate"
+
+    @property
+    def moe(self) -> bool:
+        return bool(self.moe_shape)
 
     @classmethod
     def of(cls, shape: str, **training: int) -> "Size":
         """The Llama shape `shape` of _models.SHAPES (its vocab_size is the tokenizer's target) with the
         training settings."""
+        if shape in _models.MOE_SHAPES:
+            m = _models.MOE_SHAPES[shape]
+            return cls(hidden=m["hidden_size"], layers=m["num_hidden_layers"], heads=m["num_attention_heads"],
+                       intermediate=m["moe_intermediate_size"], vocab_size=m["vocab_size"], moe_shape=shape,
+                       intermediate_kind=f"{m['num_experts']} experts (top {m['num_experts_per_tok']}) of intermediate",
+                       **training)  # fmt: skip
         s = _models.SHAPES[shape]
         if s.get("num_key_value_heads", s["num_attention_heads"]) != s["num_attention_heads"]:
             raise ValueError(f"shape {shape!r} groups its queries; quality.py's sizes have one KV head per head")
@@ -111,6 +149,9 @@ SIZES = {
     # (16M tokens: about 25 passes over the 2 MB of training text).
     "20m": Size.of("20m", seq_len=256, batch_size=32, steps=2000, rank=96, gap=200),
     "50m": Size.of("50m", seq_len=256, batch_size=32, steps=2000, rank=128, gap=200),
+    # Mixture of experts: tiny's width, data and steps (~1.1M parameters, 53% of them in the experts).
+    "tiny-moe": Size.of("tiny-moe-h128", seq_len=128, batch_size=8, steps=200, rank=32, gap=50),
+    "quick-moe": Size.of("tiny-moe-h64", seq_len=64, batch_size=8, steps=30, rank=16, gap=10),
 }
 
 
@@ -141,6 +182,9 @@ def load_data(path: str) -> dict[str, Any]:
 
 def build_model(size: Size, vocab_size: int, seed: int, device: torch.device):
     # seed: the same initial weights for every method of a seed
+    if size.moe:
+        return _models.build_qwen3_moe(size.moe_shape, seed=seed, device=device, vocab_size=vocab_size,
+                                       max_position_embeddings=size.seq_len)  # fmt: skip
     return _models.build_llama(size.llama_shape(vocab_size), seed=seed, device=device,
                                max_position_embeddings=size.seq_len)  # fmt: skip
 
@@ -166,6 +210,17 @@ def heldout_loss(model, blocks: torch.Tensor, batch_size: int, device: torch.dev
 
 
 # ---------------------------------------------------------------------- one run
+def resolve_method(method: str) -> tuple[str, dict[str, Any]]:
+    """(the _common method that trains `method`, its GaLoreConfig overrides): `<preset>_experts_r<R>` is
+    `<preset>` with experts=True, expert_rank=R; every other name is itself without overrides."""
+    if method == EXPERT_CONTROL:
+        return "galore_adamw", {}
+    match = re.fullmatch(r"(.+)_experts_r(\d+)", method)
+    if match is None:
+        return method, {}
+    return match.group(1), {"experts": True, "expert_rank": int(match.group(2))}
+
+
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
     """Train one (method, lr, seed) and return its losses and training-state bytes."""
     torch.set_num_threads(job["threads"])
@@ -173,13 +228,16 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(job["device"])
     data = load_data(job["data"])
     model = build_model(size, data["vocab_size"], job["seed"], device)
+    method, expert_overrides = resolve_method(job["method"])
     setup = _common.MethodSetup(
         targets_regex=TARGETS, extra_trainable=EXTRA_TRAINABLE, galore_rank=size.rank, galore_gap=size.gap,
-        galore_scale=0.25, lora_rank=8, lora_matched_rank=_common.matched_lora_rank(model, TARGETS, size.rank),
-        galore_overrides=tuple(sorted(job.get("galore_overrides", {}).items())),
+        galore_scale=GALORE_SCALE, lora_rank=8, lora_matched_rank=_common.matched_lora_rank(model, TARGETS, size.rank),
+        galore_overrides=tuple(sorted({**job.get("galore_overrides", {}), **expert_overrides}.items())),
+        # The control: the plain expert parameters (named ...mlp.experts.gate_up_proj / down_proj) at lr x scale.
+        **({"head_regex": r"\.experts\.", "head_lr": job["lr"] * GALORE_SCALE} if job["method"] == EXPERT_CONTROL else {}),
     )  # fmt: skip
     started = time.perf_counter()
-    model, optimizer, after_step = _common.setup_method(job["method"], model, setup, lr=job["lr"])
+    model, optimizer, after_step = _common.setup_method(method, model, setup, lr=job["lr"])
     schedule = _common.warmup_cosine(size.steps)
     lambdas = [schedule] * len(optimizer.param_groups)
     from hf_galore_plugin import state_of
@@ -223,7 +281,9 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "method": job["method"],
         "lr": job["lr"],
         "seed": job["seed"],
-        "note": _common.method_note(job["method"], setup),
+        "note": _common.method_note(method, setup)
+        + (", experts unprojected" if size.moe and method in _common.OURS and not expert_overrides else "")
+        + (f" at lr x {GALORE_SCALE}" if job["method"] == EXPERT_CONTROL else ""),
         "trainable_params": sum(p.numel() for p in trainable),
         "train_losses": losses,
         "first_train_loss": losses[0],
@@ -305,6 +365,13 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         gap = rel("qgalore_adamw_8bit", "adamw")
         checks.append({"target": "qgalore_adamw_8bit within 2% of AdamW (held-out loss)",
                        "measured": f"{gap:+.2%}", "met": gap <= 0.02})  # fmt: skip
+    for method in (m for m in by if resolve_method(m)[1]):
+        preset, overrides = resolve_method(method)
+        if preset in by:
+            gap = rel(method, preset)
+            checks.append({"target": f"{method} (experts projected, expert_rank {overrides['expert_rank']}) within "
+                                     f"{EXPERT_RANK_RULE:.0%} of {preset} with experts unprojected (held-out loss)",
+                           "measured": f"{gap:+.2%}", "met": gap <= EXPERT_RANK_RULE})  # fmt: skip
     for other in ("lora_r8", "lora_matched", "qlora_nf4"):
         if "qgalore_adamw_8bit" in by and other in by:
             q, o = by["qgalore_adamw_8bit"], by[other]
@@ -319,6 +386,33 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
     return checks
+
+
+def expert_rank_choice(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per preset with projected-expert rows: the smallest expert rank within EXPERT_RANK_RULE of the preset
+    with the experts unprojected (None when no rank is), and every rank's measured difference."""
+    by = {r["method"]: r for r in rows if r.get("best_lr") is not None}
+    choices = []
+    for preset in EXPERT_PRESETS:
+        if preset not in by:
+            continue
+        ranks = sorted(
+            (resolve_method(m)[1]["expert_rank"], m)
+            for m in by
+            if resolve_method(m)[0] == preset and resolve_method(m)[1]
+        )
+        if not ranks:
+            continue
+        # The reference: the better of the unprojected rows (the preset itself; for galore_adamw also the
+        # control with the experts at lr x scale).
+        references = [m for m in (preset, EXPERT_CONTROL if preset == "galore_adamw" else None) if m in by]
+        reference = min(references, key=lambda m: by[m]["heldout_mean"])
+        base = by[reference]["heldout_mean"]
+        gaps = {rank: by[m]["heldout_mean"] / base - 1 for rank, m in ranks}
+        within = [rank for rank, gap in gaps.items() if gap <= EXPERT_RANK_RULE]
+        choices.append({"preset": preset, "reference": reference, "unprojected": base, "gaps": gaps,
+                        "chosen": min(within) if within else None})  # fmt: skip
+    return choices
 
 
 def markdown(rows: list[dict[str, Any]], checks: list[dict[str, Any]], header: str) -> str:
@@ -346,6 +440,11 @@ def markdown(rows: list[dict[str, Any]], checks: list[dict[str, Any]], header: s
             f"({_common.mb(parts['weights'])} / {_common.mb(parts['grads'])} / {_common.mb(parts['optimizer_state'])} "
             f"/ {_common.mb(parts['bases'])}) | {r['seconds_per_run']:.0f} |"
         )
+    for choice in expert_rank_choice(rows):
+        gaps = ", ".join(f"r{rank}: {gap:+.2%}" for rank, gap in choice["gaps"].items())
+        chosen = f"expert_rank {choice['chosen']}" if choice["chosen"] is not None else "none of the ranks"
+        lines += ["", f"Expert rank by the rule (the smallest within {EXPERT_RANK_RULE:.0%} of the better experts-unprojected "
+                  f"row, here {choice['reference']}, held-out {choice['unprojected']:.4f}): {chosen} (held-out loss vs it: {gaps})."]  # fmt: skip
     if checks:
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {c['target']} | {c['measured']} | {'yes' if c['met'] else 'no'} |" for c in checks]
@@ -361,10 +460,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: size 'quick', documented lr only, one seed")
     parser.add_argument("--steps", type=int, help="override the size's optimizer steps")
     _common.add_grid_arguments(parser, methods=METHODS, seeds=SEEDS, jobs=2, out=HERE.parent / "outputs" / "quality")
+    parser.set_defaults(methods=None)  # the size's methods: METHODS, or MOE_METHODS for a mixture of experts
     args = parser.parse_args(argv)
     if args.quick:
-        args.size, args.seeds, args.no_sweep, args.jobs = "quick", 1, True, 1
-    _common.check_grid_arguments(parser, args, methods=METHODS, seeds=SEEDS)
+        args.size, args.seeds, args.no_sweep, args.jobs = ("quick-moe" if SIZES[args.size].moe else "quick", 1, True, 1)
+    moe = SIZES[args.size].moe
+    if args.methods is None:
+        args.methods = list(MOE_METHODS if moe else METHODS)
+    _common.check_grid_arguments(parser, args, methods=ALL_METHODS, seeds=SEEDS)
+    if not moe and any(resolve_method(m)[1] for m in args.methods):
+        parser.error(f"--methods: the *_experts_r* methods project a mixture of experts' experts; size {args.size!r} "
+                     f"is a Llama without experts: use --size tiny-moe (or quick-moe)")  # fmt: skip
     args.config = SIZES[args.size] if args.steps is None else dataclasses.replace(SIZES[args.size], steps=args.steps)
     return args
 
@@ -449,8 +555,8 @@ def write_report(
     )
     run_minutes = sum(r["train_seconds"] for r in results) / 60
     header = (
-        f"Size `{args.size}`: {params / 1e6:.2f}M-parameter Llama (hidden {size.hidden}, {size.layers} layers, "
-        f"intermediate {size.intermediate}, BPE vocabulary {vocab_size}), {size.steps} steps of "
+        f"Size `{args.size}`: {params / 1e6:.2f}M-parameter {'Qwen3-MoE' if size.moe else 'Llama'} (hidden {size.hidden}, "
+        f"{size.layers} layers, {size.intermediate_kind} {size.intermediate}, BPE vocabulary {vocab_size}), {size.steps} steps of "
         f"{size.batch_size} x {size.seq_len} tokens, device {device}, {args.threads} thread(s) per run, "
         f"{args.jobs} run(s) in parallel; {len(results)} runs ({run_minutes:.1f} min of training in all); "
         f"this invocation's wall time {seconds / 60:.1f} min."
@@ -480,6 +586,7 @@ def write_report(
         "lr_multipliers": args.lr_multipliers,
         "methods": rows,
         "targets": checks,
+        "expert_rank_choice": expert_rank_choice(rows),
         "runs": results,
     }
     (args.out / "quality.json").write_text(json.dumps(summary, indent=1))
@@ -488,7 +595,7 @@ def write_report(
         {r["method"]: r["train_losses_seed0"] for r in finished},
         {r["method"]: r["heldout_mean"] for r in finished},
         args.out / "quality_curves.png",
-        title=f"Pre-training a {params / 1e6:.1f}M Llama on Shakespeare (best lr, seed 0)",
+        title=f"Pre-training a {params / 1e6:.1f}M {'Qwen3-MoE' if size.moe else 'Llama'} on Shakespeare (best lr, seed 0)",
         ylabel="training loss, EMA 0.9 (x: mean held-out loss)",
     )
     print("\n" + table)

@@ -66,6 +66,51 @@ def test_quality_quick_trains_every_method(tmp_path):
     assert "| galore_torch |" in (tmp_path / "quality.md").read_text()
 
 
+def test_quality_quick_moe_projects_the_experts_at_each_expert_rank(tmp_path):
+    _run([sys.executable, "benchmarks/quality.py", "--quick", "--size", "tiny-moe", "--out", str(tmp_path)], tmp_path)
+    summary = json.loads((tmp_path / "quality.json").read_text())
+    sys.path.append(str(REPO / "benchmarks"))
+    import _models  # imports neither the plugin nor transformers
+
+    shape = _models.MOE_SHAPES["tiny-moe-h64"]
+    hidden, inter = shape["hidden_size"], shape["moe_intermediate_size"]
+    stacks = shape["num_hidden_layers"] * shape["num_experts"]  # experts in the model
+    assert summary["size_name"] == "quick-moe"
+    runs = {r["method"]: r for r in summary["runs"]}
+    ranks = {int(m.rsplit("_r", 1)[1]): r for m, r in runs.items() if "_experts_r" in m}
+    control = "galore_adamw_dense_experts_scaled"  # experts unprojected, stepped at lr x scale
+    assert set(runs) == {"adamw", "galore_adamw", control} | {f"galore_adamw_experts_r{r}" for r in ranks} and ranks
+    for run in summary["runs"]:
+        assert not run["diverged"] and _finite(run["heldout_loss"]), run["method"]
+        assert run["final_train_loss"] < run["first_train_loss"] - 0.1, run["method"]
+    # Trainable values from the shapes alone: unprojected, each expert trains its gate_up (2I x H) and down
+    # (H x I) weights; projected at rank r, a factor of r x (longer side) per matrix instead.
+    dense = stacks * (2 * inter * hidden + hidden * inter)
+    for rank, run in ranks.items():
+        factors = stacks * rank * (max(2 * inter, hidden) + max(hidden, inter))
+        assert runs["galore_adamw"]["trainable_params"] - run["trainable_params"] == dense - factors, rank
+        assert f"expert_rank={rank}, experts=True" in run["note"]
+    assert runs[control]["trainable_params"] == runs["galore_adamw"]["trainable_params"]
+    assert "experts unprojected" in runs["galore_adamw"]["note"] and "at lr x 0.25" in runs[control]["note"]
+    # The rule that chooses expert_rank, recomputed from the report's own means: the smallest rank within 1%
+    # of the better experts-unprojected row.
+    means = {m["method"]: m["heldout_mean"] for m in summary["methods"]}
+    reference = min(means["galore_adamw"], means[control])
+    gaps = {r: means[f"galore_adamw_experts_r{r}"] / reference - 1 for r in ranks}
+    (choice,) = summary["expert_rank_choice"]
+    assert choice["chosen"] == min((r for r, g in gaps.items() if g <= 0.01), default=None)
+    assert {int(r): g for r, g in choice["gaps"].items()} == pytest.approx(gaps)
+
+
+def test_quality_refuses_expert_methods_on_a_llama(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/quality.py", "--quick", "--methods", "galore_adamw_experts_r2", "--out", str(tmp_path)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "is a Llama without experts: use --size tiny-moe" in proc.stderr
+
+
 def test_finetune_quick_learns_the_task(tmp_path):
     _run([sys.executable, "benchmarks/finetune.py", "--quick", "--out", str(tmp_path)], tmp_path)
     summary = json.loads((tmp_path / "finetune.json").read_text())
