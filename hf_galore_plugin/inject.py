@@ -92,14 +92,19 @@ class TargetReport:
                 f"; experts: {len(self.experts)} expert modules ({self.expert_params:,} parameters) at "
                 f"expert_rank {self.expert_rank}"
             )
-        if self.unprojected_experts:
+        frozen = [name for name, reason in self.unprojected_experts.items() if reason == "frozen"]
+        if frozen:
+            # frozen experts (e.g. a peft model's base under expert LoRA) hold no optimizer state at all
+            line += f"; {len(frozen)} frozen expert modules left as they are (not trained)"
+        trained = {name: reason for name, reason in self.unprojected_experts.items() if reason != "frozen"}
+        if trained:
             share = self.unprojected_expert_params / max(self.model_params, 1)
             kinds: dict[str, int] = {}
-            for reason in self.unprojected_experts.values():
+            for reason in trained.values():
                 kinds[reason] = kinds.get(reason, 0) + 1
             because = ", ".join(f"{n} {r}" for r, n in sorted(kinds.items()))
             line += (
-                f"; {len(self.unprojected_experts)} expert modules ({self.unprojected_expert_params:,} parameters, "
+                f"; {len(trained)} expert modules ({self.unprojected_expert_params:,} parameters, "
                 f"{share:.0%} of the model) are not projected and keep plain optimizer state ({because})"
             )
             if any(reason == "experts=False" for reason in self.unprojected_experts.values()):
@@ -340,7 +345,9 @@ def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: Target
             continue
         numel = sum(p.numel() for p in params.values())
         problem = expert_layout_problem(module)
-        if not config.experts:
+        if not any(p.requires_grad for p in params.values()):
+            reason = "frozen"
+        elif not config.experts:
             reason = "experts=False"
         elif problem is not None:
             reason = f"unsupported: {problem}"
@@ -354,7 +361,8 @@ def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: Target
             report.expert_params += numel
             continue
         report.unprojected_experts[name] = reason
-        report.unprojected_expert_params += numel
+        if reason != "frozen":
+            report.unprojected_expert_params += numel
     report.expert_rank = config.expert_rank
     report.model_params = sum(p.numel() for p in model.parameters())
     return selected

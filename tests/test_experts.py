@@ -345,6 +345,43 @@ def test_summary_line_names_unprojected_experts_and_the_option():
     assert "experts: 2 expert modules" in projected and "not projected" not in projected
 
 
+def test_peft_expert_lora_is_left_to_peft_and_its_frozen_base_untouched():
+    """A peft model with LoRA on the fused experts (peft's ``target_parameters``): GaLore (experts=True) takes the
+    trainable linear layers named in target_modules, leaves peft's expert wrappers and their frozen base as they
+    are (the base bit-equal after training), and the expert adapters train in the plain groups."""
+    peft = pytest.importorskip("peft", reason="platform: peft is a dependency of the tests")
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )  # fmt: skip
+    model = peft.get_peft_model(qwen3_moe(), lora)
+    stock = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n and "lora_" in n}
+    assert len(stock) == 4 and len(adapters) == 8
+    config = GaLoreConfig(rank=8, experts=True, update_proj_gap=2, target_modules=["o_proj"])
+    model = prepare_model(model, config)
+    assert [n for n, _ in galore_layers(model)] == [
+        f"base_model.model.model.layers.{i}.self_attn.o_proj.modules_to_save.default" for i in (0, 1)
+    ]
+    assert not any(isinstance(m, (GaLoreExperts, GaLoreExpertStack)) for m in model.modules())
+    assert "2 frozen expert modules left as they are (not trained)" in state_of(model).report.summary()
+    assert "keep plain optimizer state" not in state_of(model).report.summary()
+    optimizer = create_optimizer(model, config, lr=1e-2)
+    params = dict(model.named_parameters())
+    plain = {id(p) for g in optimizer.param_groups if not g.get("galore") for p in g["params"]}
+    assert {id(params[n]) for n in adapters} <= plain
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        after_step(model, optimizer)
+        optimizer.zero_grad()
+    params = dict(model.named_parameters())
+    for name, weight in stock.items():
+        assert torch.equal(params[name], weight), name
+    assert all(not torch.equal(params[n], before) for n, before in adapters.items() if "lora_B" in n)
+
+
 def test_merge_and_unload_puts_back_the_stock_experts_module():
     from hf_galore_plugin import merge_and_unload
 
