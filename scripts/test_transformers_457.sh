@@ -12,7 +12,7 @@ _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _venv="${HF_GALORE_VENV_457:-$_root/.venv-tf457}"
 _torch="${HF_GALORE_TORCH:-torch==2.13.0}"
 # The marker names what was installed: a venv made for an older list is completed on the next run.
-_marker="$_venv/.tf457_installed_v4"
+_marker="$_venv/.tf457_installed_v3"
 if [ ! -x "$_venv/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$_venv"
 fi
@@ -22,7 +22,7 @@ if [ ! -f "$_marker" ]; then
   "$_py" -m pip install -q "$_torch" numpy
   echo "torch==$("$_py" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$_venv/constraints.txt"
   # galore-torch: the oracle of the tests that leave the GaLore names to transformers' own implementation.
-  "$_py" -m pip install -q -c "$_venv/constraints.txt" "transformers==4.57.6" "accelerate>=1.0" deepspeed pytest pytest-xdist galore-torch
+  "$_py" -m pip install -q -c "$_venv/constraints.txt" "transformers==4.57.6" "accelerate>=1.0" deepspeed pytest galore-torch
   "$_py" -m pip install -q -c "$_venv/constraints.txt" --no-deps -e "$_root"
   touch "$_marker"
 fi
