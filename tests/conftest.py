@@ -22,8 +22,8 @@ def _threads_per_xdist_worker() -> Optional[int]:
     """Under pytest-xdist with N > 1 workers (scripts/test.sh runs `-n 2`): the cores divided among them,
     at least one; None outside xdist or where OMP_NUM_THREADS is set by the caller. N processes that
     each start one torch thread per core ask for N x the cores: every parallel op then waits for
-    descheduled threads (measured on the 2-core CI machine: a tiny-tensor training took 9-20 s with two
-    threads under load instead of ~2 s with one, tests/test_optim.py)."""
+    descheduled threads (on this project's loaded 2-core machine a small training took 9-20 s with two
+    threads and ~2 s with one: tests/test_optim.py, `_torch_twin_single_thread`)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
         return None
