@@ -10,11 +10,32 @@ test starts, runs the torch twins, the CPU path users get.
 
 import os
 import sys
+from typing import Any, Optional
 
 _USER_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _threads_per_xdist_worker() -> Optional[int]:
+    """Under pytest-xdist with N > 1 workers (scripts/test.sh runs `-n 2`): the cores divided among them,
+    at least one; None outside xdist or where OMP_NUM_THREADS is set by the caller. N processes that
+    each start one torch thread per core ask for N x the cores: every parallel op then waits for
+    descheduled threads (on this project's loaded 2-core machine a small training took 9-20 s with two
+    threads and ~2 s with one: tests/test_optim.py, `_torch_twin_single_thread`)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
+
+
+_WORKER_THREADS = _threads_per_xdist_worker()
+if _WORKER_THREADS is not None:
+    # Set before torch is imported (its OpenMP pool reads it then) and inherited by every process a
+    # test starts, so a subprocess computes with the same thread count as the test that compares with it.
+    os.environ["OMP_NUM_THREADS"] = str(_WORKER_THREADS)
 
 
 def pytest_sessionstart(session):
@@ -24,14 +45,17 @@ def pytest_sessionstart(session):
 
 # ---------------------------------------------------------------------- shared helpers and fixtures
 import io  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 import textwrap  # noqa: E402
-from typing import Any, Optional  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from hf_galore_plugin.utils import KERNEL_DISPATCH, is_triton_available  # noqa: E402
+
+if _WORKER_THREADS is not None:
+    torch.set_num_threads(_WORKER_THREADS)  # in case a plugin imported torch before this file set the variable
 
 if sys.platform == "linux" and is_triton_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -121,6 +145,14 @@ def activation_checkpointing_field() -> str:
 def logged_losses(trainer) -> dict[int, float]:
     """The training losses a Trainer logged, by step."""
     return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no process listens on now: tests run in parallel (pytest-xdist), so a
+    fixed port would be taken by another worker's process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_python(code: str, *, env: Optional[dict] = None, timeout: int = 120, check: bool = True, cwd=None):

@@ -25,7 +25,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from hf_galore_plugin.integrations.callback import GaLoreCallback  # noqa: E402
 from conftest import RANK_ARGS, build_tiny_llama, logged_losses, token_data, training_args  # noqa: E402
-from conftest import use_torch_twins  # noqa: E402
+from conftest import free_port, use_torch_twins  # noqa: E402
 
 losses = logged_losses
 
@@ -376,7 +376,7 @@ def test_fp16_model_refresh_computes_the_basis_in_fp32(tmp_path, monkeypatch, ba
 def deepspeed_single_process(monkeypatch):
     pytest.importorskip("deepspeed")
     for key, value in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     ).items():
         monkeypatch.setenv(key, value)
     # the gloo shm-comm op would be compiled with g++ on first init (~50 s); nothing here needs it

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import math
-import socket
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from hf_galore_plugin.optim import AdamW
 
-from conftest import use_torch_twins
+from conftest import free_port, use_torch_twins
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -370,19 +369,13 @@ def test_flat_1d_equals_2d_and_empty_and_noncontiguous():
     assert opts[3].state[empty]["step"].item() == 3 and opts[3].state_nbytes() == 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def one_rank_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
     yield init_device_mesh("cpu", (1,))
     if owns_group:
         dist.destroy_process_group()

@@ -145,10 +145,12 @@ def test_galore_lr_display_with_scheduler(tmp_path):
     # oracle: transformers' own schedule function
     from transformers import get_cosine_schedule_with_warmup
 
+    # batch 1 (theirs: the default 8): the schedule does not depend on the batch, and their model's MLPs
+    # (LlamaConfig's default intermediate size, 11008) make each of the 16 steps costly
     lr, warmup = 2e-4, 5
     trainer = _train(
         tmp_path, optim="galore_adamw", optim_target_modules=ATTN_MLP, learning_rate=lr, warmup_steps=warmup,
-        lr_scheduler_type="cosine", logging_steps=1, max_steps=16,
+        lr_scheduler_type="cosine", logging_steps=1, max_steps=16, per_device_train_batch_size=1,
     )  # fmt: skip
     logged = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
     reference = get_cosine_schedule_with_warmup(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr), warmup, 16)
