@@ -419,11 +419,13 @@ ENGINE_RUNS = [
     # 7 experts, top-1, 4 tokens a rank: experts without tokens (keep basis and moments), experts routed to on
     # one rank only, per-expert records of lower rank than expert_rank; FSDP2 cuts the experts 4 + 3
     ("ddp", "default", "reset", "std", True),
+    ("fsdp1", "default", "keep", "std", False),  # use_orig_params: each stack's tensors whole or flat-sharded per rank
     ("fsdp2", "default", "keep", "std", False),  # factor and W0 sharded on the expert dimension
     ("fsdp2", "default", "keep", "left", False),  # left bases: each rank folds its experts' P_e B_e
     ("fsdp2", "default", "project", "right", True),  # moments transported / reset on the local experts
     # ZeRO under the aligned schedule: a staggered calibration resets some factors of ZeRO's flat group while
     # its step counter runs on (DeepSpeedGaLoreOptimizer's documented difference, linear layers alike)
+    ("zero1", "aligned", "keep", "std", False),
     ("zero2", "aligned", "keep", "std", False),
     ("zero2", "aligned", "keep", "std", True),
     ("zero3", "aligned", "keep", "std", False),  # W0 and factor partitioned, gathered per refresh

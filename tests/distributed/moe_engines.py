@@ -1,5 +1,5 @@
 """Run by tests/test_experts.py: a tiny Qwen3-MoE with GaLore experts (galore_adamw, experts=True) under an
-engine on 2 gloo ranks (ENGINE=ddp | fsdp2 | zero2 | zero3) or in one process (ENGINE=single), over the same
+engine on 2 gloo ranks (ENGINE=ddp | fsdp1 | fsdp2 | zero2 | zero3) or in one process (ENGINE=single), over the same
 global batch: each rank takes half of it. SCHEDULE=default keeps the package's refresh defaults (staggered
 phases, sketch bases); SCHEDULE=paper sets PAPER_REFRESH (aligned, exact SVD). Checks on every refresh that
 all ranks hold the same bases, and writes the losses, the merged weights and the experts' GaLore state
@@ -97,7 +97,7 @@ def train_torch(model, engine: str, rank: int, world: int):
     import transformers
 
     block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeDecoderLayer
-    model, forward = wrap_for_engine(model, engine, block_class=block if engine == "fsdp2" else None)
+    model, forward = wrap_for_engine(model, engine, block_class=block if engine.startswith("fsdp") else None)
     if engine == "fsdp2":  # the expert stacks' factors (and a plain W0) are sharded on the expert dimension
         stacks = [m for m in model.modules() if isinstance(m, GaLoreExpertStack)]
         assert stacks and all(m.galore_factor.placements == (Shard(0),) for m in stacks)
@@ -111,7 +111,7 @@ def train_torch(model, engine: str, rank: int, world: int):
         optimizer.zero_grad()
         losses.append(loss.detach().clone())
     del forward  # DDP's reducer, released before the process group goes
-    return losses, refreshes
+    return losses, refreshes, model
 
 
 def train_deepspeed(model, stage: int, rank: int, world: int):
@@ -156,14 +156,18 @@ def main(out: str) -> None:
     if engine.startswith("zero"):
         losses, refreshes = train_deepspeed(model, int(engine[-1]), rank, world)
     else:
-        losses, refreshes = train_torch(model, engine, rank, world)
+        losses, refreshes, wrapped = train_torch(model, engine, rank, world)
     check_bases_identical(model, world)
     if distributed:
         for total in losses:
             dist.all_reduce(total)
             total /= world
     context: Any = contextlib.nullcontext()
-    if engine == "zero3":  # ZeRO-3 partitions every parameter: gather them all (a tiny model) to merge.
+    if engine == "fsdp1":  # FSDP1 holds flat shards between steps: whole parameters to merge
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        context = FullyShardedDataParallel.summon_full_params(wrapped, writeback=False)
+    elif engine == "zero3":  # ZeRO-3 partitions every parameter: gather them all (a tiny model) to merge.
         import deepspeed
 
         context = deepspeed.zero.GatheredParameters(list(model.parameters()))
