@@ -196,6 +196,8 @@ class StoredTensor:
         if per % block or (per * bits) % 8:
             return self.value(dtype)[index]
         buffers: dict[str, Any] = self.module._buffers
+        if reader.fast(buffers):
+            return reader.read_rows(buffers, index, dtype)
         codes, scales = buffers[reader.codes], buffers[reader.scales]
         codes_per = codes.numel() // reader.shape[0]
         blocks = per // block
@@ -253,10 +255,29 @@ class _Reader:
     def read(self, buffers: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
         codes: torch.Tensor = buffers[self.codes]
         scales: torch.Tensor = buffers[self.scales]
-        # `type(...) is torch.Tensor` rules out fake and other subclass tensors without a call.
-        if not self.whole or type(codes) is not torch.Tensor or torch.compiler.is_compiling() or use_triton(codes):
+        if not self.fast(buffers):
             zero_points = None if self.zero_points is None else buffers[self.zero_points]
             return dequantize_stored(codes, scales, zero_points, dtype=dtype, **self.kwargs).view(self.shape)
+        return self._decode(codes, self._multiplier_of(scales), dtype).view(self.shape)
+
+    def fast(self, buffers: dict[str, Any]) -> bool:
+        """Whether :meth:`read` and :meth:`read_rows` decode directly (eager, plain tensors, whole blocks)."""
+        codes = buffers[self.codes]
+        # `type(...) is torch.Tensor` rules out fake and other subclass tensors without a call.
+        return (
+            self.whole and type(codes) is torch.Tensor and not torch.compiler.is_compiling() and not use_triton(codes)
+        )
+
+    def read_rows(self, buffers: dict[str, Any], index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slice `index` along the first dimension, decoded directly (call only where :meth:`fast` holds and a
+        slice is a whole number of blocks and bytes): that slice's codes times its rows of the kept multiplier."""
+        codes: torch.Tensor = buffers[self.codes]
+        rows = self.shape[0]
+        per_codes, per_blocks = codes.numel() // rows, self.kwargs["numel"] // rows // self.kwargs["block_size"]
+        multiplier = self._multiplier_of(buffers[self.scales])[index * per_blocks : (index + 1) * per_blocks]
+        return self._decode(codes[index * per_codes : (index + 1) * per_codes], multiplier, dtype).view(self.shape[1:])
+
+    def _multiplier_of(self, scales: torch.Tensor) -> torch.Tensor:
         kwargs = self.kwargs
         multiplier = self._multiplier
         if scales.is_inference():  # no version counter to tell a write by: not kept
@@ -264,6 +285,10 @@ class _Reader:
         elif multiplier is None or self._source is not scales or self._version != scales._version:
             multiplier = block_multiplier(scales, scheme=kwargs["scheme"], bits=kwargs["bits"])[:, None]
             self._multiplier, self._source, self._version = multiplier, scales, scales._version
+        return multiplier
+
+    def _decode(self, codes: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        kwargs = self.kwargs
         if kwargs["bits"] == 8:
             blocks = codes.view(-1, kwargs["block_size"])
         else:
@@ -271,7 +296,7 @@ class _Reader:
             if table is None or table.device != codes.device:
                 table = self._table = byte_table(kwargs["scheme"], codes.device)
             blocks = torch.index_select(table, 0, codes.long()).view(-1, kwargs["block_size"])
-        return scale_blocks(blocks, multiplier, dtype).view(self.shape)
+        return scale_blocks(blocks, multiplier, dtype)
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
