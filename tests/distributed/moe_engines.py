@@ -35,7 +35,8 @@ from _teardown import shut_down
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # appended: shadows nothing
 from _engines import wrap_for_engine  # noqa: E402
-from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, merged_state_dict  # noqa: E402
+from sharded_galore import check_bases_identical, full  # noqa: E402
+from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, merged_state_dict  # noqa: E402
 from hf_galore_plugin import prepare_model  # noqa: E402
 from hf_galore_plugin.config import PAPER_REFRESH  # noqa: E402
 from hf_galore_plugin.layers.experts import GaLoreExpertStack  # noqa: E402
@@ -70,21 +71,6 @@ def build():
         moment_handling=os.environ["MOMENT_HANDLING"], proj_type=os.environ.get("PROJ_TYPE", "std"), **schedule,
     )  # fmt: skip
     return prepare_model(model, galore)
-
-
-def check_bases_identical(model, world: int) -> None:
-    for name, layer in galore_layers(model):
-        for side in ("left", "right"):
-            basis = layer.basis(side)
-            if basis is None or world == 1:
-                continue
-            gathered = [torch.empty_like(basis) for _ in range(world)]
-            dist.all_gather(gathered, basis.contiguous())
-            assert all(torch.equal(gathered[0], g) for g in gathered), f"{name} {side} basis differs between ranks"
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def batches(rank: int, world: int):
@@ -157,7 +143,7 @@ def main(out: str) -> None:
         losses, refreshes = train_deepspeed(model, int(engine[-1]), rank, world)
     else:
         losses, refreshes, wrapped = train_torch(model, engine, rank, world)
-    check_bases_identical(model, world)
+    check_bases_identical(model, world, STEPS)
     if distributed:
         for total in losses:
             dist.all_reduce(total)
@@ -172,9 +158,9 @@ def main(out: str) -> None:
 
         context = deepspeed.zero.GatheredParameters(list(model.parameters()))
     with context:
-        weights = {k: whole(v).detach().clone() for k, v in merged_state_dict(model).items()}
+        weights = {k: full(v).detach().clone() for k, v in merged_state_dict(model).items()}
         # The experts' own state: bases, counters, per-expert refresh counts.
-        experts = {k: whole(v).detach().clone() for k, v in model.state_dict().items() if ".experts." in k}
+        experts = {k: full(v).detach().clone() for k, v in model.state_dict().items() if ".experts." in k}
     if rank == 0:
         moved = max(float((weights[k] - v).abs().max()) for k, v in start.items())
         result = dict(
