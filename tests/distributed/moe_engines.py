@@ -24,7 +24,6 @@ the engines' arithmetic, not Adam's sign function; the expert weights still move
 import contextlib
 import os
 import sys
-import warnings
 from typing import Any
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from _teardown import shut_down
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # appended: shadows nothing
 from _engines import wrap_for_engine  # noqa: E402
-from sharded_galore import check_bases_identical, full  # noqa: E402
+from sharded_galore import check_bases_identical, full, join  # noqa: E402
 from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, merged_state_dict  # noqa: E402
 from hf_galore_plugin import prepare_model  # noqa: E402
 from hf_galore_plugin.config import PAPER_REFRESH  # noqa: E402
@@ -131,12 +130,7 @@ def train_deepspeed(model, stage: int, rank: int, world: int):
 
 def main(out: str) -> None:
     engine = os.environ["ENGINE"]
-    distributed = engine != "single"
-    warnings.filterwarnings("error", message=".*written without sync_counters")
-    if distributed:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
+    distributed, rank, world = join(engine)
     model = build()
     start = {k: v.detach().clone() for k, v in merged_state_dict(model).items() if ".experts." in k}
     if engine.startswith("zero"):

@@ -86,15 +86,19 @@ def check_bases_identical(model: nn.Module, world: int, step: int) -> None:
             assert all(torch.equal(gathered[0], g) for g in gathered), f"{name} {side} basis differs at step {step}"
 
 
-def main(out: str) -> None:
-    engine_name = os.environ["ENGINE"]
+def join(engine_name: str) -> tuple[bool, int, int]:
+    """(distributed, rank, world) of this process, joined to the gloo group under any engine but 'single'."""
     distributed = engine_name != "single"
     # An engine writing a counter buffer behind a layer's back (DDP's buffer broadcast) must not change it.
     warnings.filterwarnings("error", message=".*written without sync_counters")
     if distributed:
         dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
+    return distributed, (dist.get_rank() if distributed else 0), (dist.get_world_size() if distributed else 1)
+
+
+def main(out: str) -> None:
+    engine_name = os.environ["ENGINE"]
+    distributed, rank, world = join(engine_name)
     model = build_model(os.environ.get("PRESET", "galore_adamw"), os.environ.get("PROJ_TYPE", "std"))
     if os.environ.get("BASIS_METHOD") == "randomized":
         assert all(l.sketch_exchange_numel() < l.out_features * l.in_features for _, l in galore_layers(model))
