@@ -10,11 +10,14 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck disable=SC1091
 source scripts/env.sh
-python -m pytest tests -ra --durations=15 -n 2 "$@"
+# `--dist worksteal`: a worker that runs out of tests takes queued ones from the other, so a long test
+# near the end does not leave one core idle.
 if [ "$#" -eq 0 ]; then
-  # The benchmark smoke runs (marker `benchmark`) are out of the default run (pyproject addopts):
-  # the full run takes them as a second invocation, so CI still covers them.
-  python -m pytest tests -ra --durations=5 -n 2 -m benchmark
+  # The benchmark smoke runs (marker `benchmark`) are out of a plain pytest run (pyproject addopts); the
+  # full run takes them in the same invocation (one pool of workers), so CI covers them.
+  python -m pytest tests -ra --durations=20 -n 2 --dist worksteal -m "benchmark or not benchmark"
+else
+  python -m pytest tests -ra --durations=15 -n 2 --dist worksteal "$@"
 fi
 if [ -f scripts/test_transformers_457.sh ] && [ "${HF_GALORE_SKIP_TF457:-0}" != "1" ] && [ "$#" -eq 0 ]; then
   # The optimizer-name registration must also work on the 4.57 line of transformers (second venv).
