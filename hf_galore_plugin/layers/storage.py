@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from ..quant.functional import block_multiplier, byte_table, scale_blocks, whole_blocks
+from ..quant.functional import block_multiplier, dequantize_whole_blocks, whole_blocks
 from ..quant.ops import dequantize_stored
 from ..utils import use_triton
 
@@ -231,10 +231,7 @@ class _Reader:
     (``module.to()``, an engine) or written in place (``load_state_dict``, a refresh), as its version
     counter shows. Traced code, Triton and other layouts go through :func:`dequantize_stored`."""
 
-    __slots__ = (
-        "codes", "scales", "zero_points", "kwargs", "shape", "whole", "_source", "_version", "_multiplier",
-        "_table",
-    )  # fmt: skip
+    __slots__ = ("codes", "scales", "zero_points", "kwargs", "shape", "whole", "_source", "_version", "_multiplier")
 
     def __init__(self, name: str, meta: dict[str, Any], has_zero_points: bool) -> None:
         self.codes, self.scales = f"{name}_codes", f"{name}_scales"
@@ -246,11 +243,10 @@ class _Reader:
         self.kwargs = dict(scheme=meta["scheme"], bits=meta["bits"], block_size=meta["block_size"], numel=numel)
         self.whole = not has_zero_points and whole_blocks(**self.kwargs)
         # Kept between reads: the per-block multiplier as a column (blocks x 1), for the scales tensor it was
-        # made from (by identity and version counter); the 4-bit byte table of the codes' device.
+        # made from (by identity and version counter).
         self._source: Optional[torch.Tensor] = None
         self._version = -1
         self._multiplier: Optional[torch.Tensor] = None
-        self._table: Optional[torch.Tensor] = None
 
     def read(self, buffers: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
         codes: torch.Tensor = buffers[self.codes]
@@ -289,14 +285,14 @@ class _Reader:
 
     def _decode(self, codes: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         kwargs = self.kwargs
-        if kwargs["bits"] == 8:
-            blocks = codes.view(-1, kwargs["block_size"])
-        else:
-            table = self._table
-            if table is None or table.device != codes.device:
-                table = self._table = byte_table(kwargs["scheme"], codes.device)
-            blocks = torch.index_select(table, 0, codes.long()).view(-1, kwargs["block_size"])
-        return scale_blocks(blocks, multiplier, dtype)
+        return dequantize_whole_blocks(
+            codes,
+            multiplier,
+            scheme=kwargs["scheme"],
+            bits=kwargs["bits"],
+            block_size=kwargs["block_size"],
+            dtype=dtype,
+        )
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

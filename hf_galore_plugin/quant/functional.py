@@ -46,8 +46,6 @@ __all__ = [
     "SCHEMES",
     "block_multiplier",
     "dequantize_whole_blocks",
-    "byte_table",
-    "scale_blocks",
     "whole_blocks",
     "check_quant_args",
     "check_float_tensor",
@@ -267,6 +265,7 @@ def dequantize_whole_blocks(
     codes: torch.Tensor, multiplier: torch.Tensor, *, scheme: str, bits: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The values of `codes` (see :func:`whole_blocks`) in `dtype`, flat, equal to the general path's.
+    `multiplier` is :func:`block_multiplier`'s as a column (blocks x 1), the form a reader keeps.
 
     Two passes: int8 codes times the fp32 multiplier promote to fp32 inside the multiply, whose result is
     rounded once into `dtype` as it is stored (as ``.to(dtype)`` of the fp32 product would); a 4-bit
@@ -275,13 +274,7 @@ def dequantize_whole_blocks(
         blocks = codes.view(-1, block_size)
     else:
         blocks = torch.index_select(_byte_table(scheme, codes.device), 0, codes.long()).view(-1, block_size)
-    return scale_blocks(blocks, multiplier[:, None], dtype).view(-1)
-
-
-def byte_table(scheme: str, device: torch.device) -> torch.Tensor:
-    """The (256, 2) fp32 table of a 4-bit byte's two values before the block scale, low nibble first
-    (cached per scheme and device; read-only)."""
-    return _byte_table(scheme, device)
+    return scale_blocks(blocks, multiplier, dtype).view(-1)
 
 
 # From this many values on, an int8 block is converted to fp32 and then scaled in place (two vectorized
@@ -314,7 +307,7 @@ def dequantize_blockwise_torch(
 ) -> torch.Tensor:
     """Inverse of `quantize_blockwise_torch`: a flat tensor of `numel` values in `dtype`."""
     if whole_blocks(scheme=scheme, bits=bits, block_size=block_size, numel=numel):
-        multiplier = block_multiplier(scales, scheme=scheme, bits=bits)
+        multiplier = block_multiplier(scales, scheme=scheme, bits=bits)[:, None]
         return dequantize_whole_blocks(codes, multiplier, bits=bits, scheme=scheme, block_size=block_size, dtype=dtype)
     values = unpack_int4(codes, numel=numel) if bits == 4 else codes[:numel]
     values = values.to(torch.float32)
