@@ -102,7 +102,7 @@ def _assert_merged_plain_model(run: dict, single: dict, pretrained: Path) -> Non
         ("zero3", "qgalore_adamw_8bit", ",state_bits=32,error_feedback=False"),
         ("fsdp2", "galore_adamw", ""),
         ("fsdp1", "galore_adamw", ""),  # use_orig_params: 1-D views; refreshes summon the layer's unit
-        # plain torchrun: accelerate's MULTI_CPU state wraps the model in DDP
+        # no engine configured: accelerate's MULTI_CPU state wraps the model in DDP
         ("ddp", "galore_adamw", ""),
     ],
 )

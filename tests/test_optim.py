@@ -437,15 +437,12 @@ def test_fsdp2_two_ranks_matches_single_process_and_dcp_reload(tmp_path, state_b
     import json
     import os
     import pathlib
-    import subprocess
-    import sys
+
+    from distributed._launch import launch
 
     script = pathlib.Path(__file__).parent / "distributed" / "fsdp2_adamw.py"
     env = {**os.environ, "HF_GALORE_DISABLE_TRITON": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    done = subprocess.run(
-        command + [str(tmp_path / "checkpoint"), str(state_bits)], env=env, capture_output=True, text=True, timeout=240
-    )
+    done = launch([str(script), str(tmp_path / "checkpoint"), str(state_bits)], env, ranks=2, timeout=240)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-6000:])
     result = json.loads(done.stdout.split("RESULT ")[-1].splitlines()[0])
     assert result["reload_exact"]

@@ -1,13 +1,19 @@
-"""Helpers of the distributed tests: run sharded_galore.py in one process or under torchrun, compare."""
+"""Helpers of the distributed tests: run sharded_galore.py (or another script) in one process or on two ranks,
+compare."""
 
 import functools
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Optional
 
 import torch
+from distributed._forked import run_script
+from conftest import free_port
 
 SCRIPT = Path(__file__).parent / "sharded_galore.py"
 
@@ -18,38 +24,104 @@ def _env(**overrides: str) -> dict:
     return env
 
 
+# The two-rank and one-process runs start by forking a server that has imported these (forkserver with
+# preload, one server per test process): a fresh interpreter spends 2-4 s of CPU importing them, the fork
+# milliseconds. The suite starts ~130 such processes (and used to start a torchrun launcher per group).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "deepspeed",
+    "transformers.models.llama.modeling_llama",
+    "transformers.trainer",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _context():
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def launch(
+    argv: list[str], env: dict, *, ranks: Optional[int] = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python argv`` with environment `env`, forked from the preloaded server (tests/distributed/_forked.py).
+
+    `ranks`: that many processes with the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT, the TORCHELASTIC_* variables; rank 0 hosts the store), as ``torchrun --standalone``
+    would start them; benchmarks/distributed.py (tests/test_benchmarks_cli.py) goes through torchrun itself.
+    Like torchrun, a rank that fails stops the others, never a hang. Past `timeout` seconds every process is
+    killed and ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does. The result holds the first
+    non-zero exit status (0 when all succeed) and the processes' stdout and stderr one after another, rank 0
+    first, except that the first failed rank's come last, where a test's ``stderr[-4000:]`` shows them."""
+    context = _context()
+    count = ranks or 1
+    port = str(free_port())
+    with tempfile.TemporaryDirectory(prefix="launch_") as folder:
+        procs, files = [], []
+        for rank in range(count):
+            rank_env = dict(env)
+            if ranks is not None:
+                rank_env.update(
+                    RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+                    WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(ranks),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHELASTIC_RUN_ID=f"tests-{port}",
+                    TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                    TORCHELASTIC_USE_AGENT_STORE="False",
+                )  # fmt: skip
+            out, err = os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err")
+            files.append((out, err))
+            proc = context.Process(target=run_script, args=(list(argv), rank_env, os.getcwd(), out, err))
+            proc.start()
+            procs.append(proc)
+        deadline, timed_out = time.monotonic() + timeout, False
+        try:
+            while any(p.exitcode is None for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # a failed rank: the others would wait for it in their next collective
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+        codes = [p.exitcode for p in procs]
+        # The first rank to fail ended the run; the ones stopped after it report -9 (SIGKILL).
+        failed = sorted((r for r, code in enumerate(codes) if code != 0), key=lambda r: codes[r] < 0)
+        order = [r for r in range(count) if r not in failed[:1]] + failed[:1]
+        texts = [(_read(out), _read(err)) for out, err in files]
+    stdout = "".join(texts[r][0] for r in order)
+    stderr = "".join(texts[r][1] for r in order)
+    command = [sys.executable, *argv]
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(command, codes[failed[0]] if failed else 0, stdout, stderr)
+
+
+def _read(path: str) -> str:
+    return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+
+
 def run_two_ranks(out: Path, *args: str, script: Path = SCRIPT, **env: str) -> subprocess.CompletedProcess:
-    """torchrun, gloo, 2 processes; a failing rank ends the run (torchrun stops the other), never a hang."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(script),
-            str(out),
-            *args,
-        ],
-        env=_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """`script` on 2 gloo ranks (:func:`launch`)."""
+    return launch([str(script), str(out), *args], _env(**env), ranks=2)
 
 
 def run_one_process(out: Path, *args: str, script: Path = SCRIPT, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(script), str(out), *args], env=_env(**env), capture_output=True, text=True, timeout=300
-    )
+    return launch([str(script), str(out), *args], _env(**env))
 
 
 @functools.lru_cache(maxsize=None)
 def single_process_run(preset: str, proj_type: str, fake_step: str = "0", basis_method: str = "svd") -> dict:
     """The oracle: the same global batch in one process (cached: several engines compare against it)."""
     out = Path(tempfile.mkdtemp(prefix="galore_single_")) / "single.pt"
-    env = _env(ENGINE="single", PRESET=preset, PROJ_TYPE=proj_type, FAKE_STEP=fake_step, BASIS_METHOD=basis_method)
-    subprocess.run([sys.executable, str(SCRIPT), str(out)], check=True, env=env, timeout=300)
+    result = run_one_process(out, ENGINE="single", PRESET=preset, PROJ_TYPE=proj_type, FAKE_STEP=fake_step,
+                             BASIS_METHOD=basis_method)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out, weights_only=True)
 
 

@@ -1,4 +1,4 @@
-"""How every torchrun script of the test suite ends: collectives finished, process group destroyed, and
+"""How every two-rank script of the test suite ends: collectives finished, process group destroyed, and
 the process left without interpreter finalization.
 
 A gloo worker thread can still own a finished work object (e.g. FSDP2's coalesced all-gather) whose tensors

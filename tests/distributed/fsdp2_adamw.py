@@ -1,5 +1,5 @@
 """FSDP2 on 2 gloo ranks: hf_galore_plugin.optim.AdamW on DTensor shards against one process, and a DCP
-save/load round trip of its state (run by tests/test_optim.py through torchrun).
+save/load round trip of its state (run by tests/test_optim.py on two ranks, distributed/_launch.py).
 
 Arguments: checkpoint directory, state bits (32 or 8). Rank 0 prints one line `RESULT {json}`.
 """

@@ -1,7 +1,8 @@
-"""Run by tests/test_distributed_trainer.py: ``Trainer`` + GaLore under an engine, launched as users launch it.
+"""Run by tests/test_distributed_trainer.py: ``Trainer`` + GaLore under an engine, on 2 ranks with the environment
+torchrun gives its workers (tests/distributed/_launch.py).
 
 ENGINE=single (one process, no engine), zero1 | zero2 | zero3 (``TrainingArguments(deepspeed=
-examples/deepspeed/zeroN.json, use_cpu=True)``, torchrun, 2 gloo ranks), fsdp2 (``fsdp="full_shard"``,
+examples/deepspeed/zeroN.json, use_cpu=True)``, 2 gloo ranks), fsdp2 (``fsdp="full_shard"``,
 ``fsdp_config={"fsdp_version": 2, ...}`` as examples/accelerate/fsdp2.yaml) or fsdp1 (``fsdp_version: 1``,
 ``use_orig_params: true`` as examples/accelerate/fsdp1.yaml), both with the test-only patch of
 accelerate below. Same global batch everywhere: 8 sequences per optimizer step, gradient accumulation 2.
