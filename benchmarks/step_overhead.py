@@ -3,6 +3,7 @@
     python benchmarks/step_overhead.py            # tiny Llama (hidden 64, 4 layers: 28 GaLore layers), 1 x 32 tokens
     python benchmarks/step_overhead.py --quick    # fewer rounds (CI smoke run)
     python benchmarks/step_overhead.py --size h1024 --rank 256 --batch 4 --seq-len 256 --threads 2
+    python benchmarks/step_overhead.py --compile  # every model through torch.compile (the step stays eager)
 
 At small shapes a step is dominated by per-op, per-layer host work (Python, the dispatcher, kernel
 launches); on a GPU that host work is what the device waits for. Three measures that do not move with
@@ -120,6 +121,7 @@ class Runner:
             self.after = lambda: hgp.after_step(model, optimizer)
         else:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        self.forward: Callable[..., Any] = self.model  # torch.compile(self.model) with --compile
         self.galore_layers = sum(type(m).__name__ == "GaLoreLinear" for m in self.model.modules())
         self.linear_layers = sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())
 
@@ -140,7 +142,7 @@ class Runner:
         raise RuntimeError(f"{self.method}: layers not calibrated after 1000 steps")
 
     def step(self, tokens: torch.Tensor) -> None:
-        loss = self.model(input_ids=tokens, labels=tokens).loss
+        loss = self.forward(input_ids=tokens, labels=tokens).loss
         loss.backward()
         self.optimizer.step()
         self.after()
@@ -168,6 +170,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         with OpCount() as mode:
             runner.step(tokens)
         counts[runner.method] = mode
+    graphs = None
+    if args.compile:
+        # After calibration, so that only ordinary steps are compiled (a step that records a refresh traces
+        # another graph); the optimizer step and after_step stay eager for every method alike. The op and
+        # sync counts above are the eager step's: compiled code runs inductor's kernels, not aten ops.
+        from torch._dynamo.utils import counters as dynamo_counters
+
+        for runner in runners:
+            runner.forward = torch.compile(runner.model)
+            for _ in range(3):
+                runner.step(tokens)
+        graphs = dynamo_counters["stats"]["unique_graphs"]
     times: dict[str, list[float]] = {r.method: [] for r in runners}
     wall: dict[str, list[float]] = {r.method: [] for r in runners}
     for round_ in range(args.rounds):
@@ -177,6 +191,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             runner.step(tokens)
             times[runner.method].append(time.thread_time() - t0)
             wall[runner.method].append(time.perf_counter() - w0)
+    recompiled = None if graphs is None else dynamo_counters["stats"]["unique_graphs"] - graphs
     base = runners[0].method
     rows = {}
     linear_work = None
@@ -200,6 +215,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "size": size, "rank": args.rank, "batch": args.batch, "seq_len": args.seq_len, "threads": args.threads,
         "rounds": args.rounds, "baseline": base, "torch": torch.__version__, "rows": rows,
+        "compile": args.compile, "graphs_compiled": graphs, "graphs_compiled_while_timed": recompiled,
     }  # fmt: skip
 
 
@@ -209,6 +225,13 @@ def report(result: dict[str, Any]) -> str:
         f"hidden {size['hidden_size']}, {size['num_hidden_layers']} layers, vocab {size['vocab_size']}, rank "
         f"{result['rank']}, batch {result['batch']} x {result['seq_len']}, {result['threads']} thread(s), "
         f"{result['rounds']} interleaved rounds, torch {result['torch']}; ratios to {result['baseline']}",
+    ]
+    if result["compile"]:
+        lines.append(
+            f"torch.compile(model) for every method ({result['graphs_compiled']} graphs in all, "
+            f"{result['graphs_compiled_while_timed']} of them while timed); ops and syncs: the eager step"
+        )
+    lines += [
         "",
         "| method | step, CPU ms | vs base (CPU) | vs base (wall) | aten ops / step | extra ops / GaLore layer "
         "| syncs / step |",
@@ -235,6 +258,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--compile", action="store_true",
+                        help="time each model's step through torch.compile(model) (inductor), after calibration")  # fmt: skip
     parser.add_argument("--out", type=pathlib.Path, help="also write the result as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
