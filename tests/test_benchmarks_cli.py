@@ -1,5 +1,6 @@
 """The benchmark entry points run end to end: benchmarks/quality.py --quick, benchmarks/finetune.py --quick,
-benchmarks/gpu_step.py on a tiny model, and benchmarks/gpu.sh's message without CUDA.
+benchmarks/gpu_step.py on a tiny model, benchmarks/step_overhead.py (eager and --compile), and
+benchmarks/gpu.sh's message without CUDA.
 
 Each runs in a subprocess with an environment without TRITON_INTERPRET (the kernel tests set it for
 themselves): the benchmarks run the torch twins on CPU, as a user's machine would.
@@ -313,3 +314,27 @@ def test_which_optimizer_tables_use_the_larger_peak_and_keep_adapters_out_of_the
     assert rows["adamw_8bit"].endswith("| 40.0 |  | yes | yes | layout |")
     summary = which.summary(plans).splitlines()[2]
     assert summary == "| m | none (full-rank) | adamw_8bit 40.0 | adamw_8bit 40.0, galore_adamw 50.0 |"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
+def test_step_overhead_counts_ops_and_times_every_method(tmp_path, compiled):
+    out = tmp_path / "step_overhead.json"
+    args = [sys.executable, "benchmarks/step_overhead.py", "--rounds", "2", "--out", str(out),
+            "--methods", "adamw_fused", "galore_adamw", "qgalore_adamw_8bit"] + (["--compile"] if compiled else [])  # fmt: skip
+    proc = _run(args, tmp_path)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert list(rows) == ["adamw_fused", "galore_adamw", "qgalore_adamw_8bit"]
+    assert rows["adamw_fused"]["vs_base_cpu"] == 1.0 and rows["adamw_fused"]["galore_layers"] == 0
+    for method in ("galore_adamw", "qgalore_adamw_8bit"):
+        row = rows[method]
+        assert row["galore_layers"] == 28 and row["syncs"] == 0, method
+        # tests/test_step_cost.py holds the bounds; here: the extra ops are the layers' own work
+        assert 0 < row["extra_ops_per_layer"] <= 10, (method, row["extra_ops_per_layer"])
+        assert _finite(row["cpu_ms"], row["vs_base_cpu"]) and row["cpu_ms"] > 0, method
+    assert result["compile"] is compiled
+    if compiled:
+        # every model compiled before the timed rounds, none while they ran (a recompile would time the compiler)
+        assert result["graphs_compiled"] >= 2 and result["graphs_compiled_while_timed"] == 0
+        assert "torch.compile(model) for every method" in proc.stdout
+    assert "| `qgalore_adamw_8bit` |" in proc.stdout
