@@ -319,14 +319,15 @@ def test_which_optimizer_tables_use_the_larger_peak_and_keep_adapters_out_of_the
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
 def test_step_overhead_counts_ops_and_times_every_method(tmp_path, compiled):
     out = tmp_path / "step_overhead.json"
-    args = [sys.executable, "benchmarks/step_overhead.py", "--rounds", "2", "--out", str(out),
-            "--methods", "adamw_fused", "galore_adamw", "qgalore_adamw_8bit"] + (["--compile"] if compiled else [])  # fmt: skip
-    proc = _run(args, tmp_path)
+    # Compiled: two methods (the code path; each model's inductor compile costs ~15 s of CPU on a fresh cache).
+    methods = ["adamw_fused", "galore_adamw"] if compiled else ["adamw_fused", "galore_adamw", "qgalore_adamw_8bit"]
+    args = [sys.executable, "benchmarks/step_overhead.py", "--rounds", "2", "--out", str(out), "--methods", *methods]
+    proc = _run(args + (["--compile"] if compiled else []), tmp_path)
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert list(rows) == ["adamw_fused", "galore_adamw", "qgalore_adamw_8bit"]
+    assert list(rows) == methods
     assert rows["adamw_fused"]["vs_base_cpu"] == 1.0 and rows["adamw_fused"]["galore_layers"] == 0
-    for method in ("galore_adamw", "qgalore_adamw_8bit"):
+    for method in methods[1:]:
         row = rows[method]
         assert row["galore_layers"] == 28 and row["syncs"] == 0, method
         # tests/test_step_cost.py holds the bounds; here: the extra ops are the layers' own work
@@ -337,4 +338,4 @@ def test_step_overhead_counts_ops_and_times_every_method(tmp_path, compiled):
         # every model compiled before the timed rounds, none while they ran (a recompile would time the compiler)
         assert result["graphs_compiled"] >= 2 and result["graphs_compiled_while_timed"] == 0
         assert "torch.compile(model) for every method" in proc.stdout
-    assert "| `qgalore_adamw_8bit` |" in proc.stdout
+    assert f"| `{methods[-1]}` |" in proc.stdout
