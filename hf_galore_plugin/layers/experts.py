@@ -38,8 +38,15 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
-from ..engines.collectives import all_reduce_mean, from_local, full_tensor, is_dtensor, local_rows, local_shard
-from ..engines.collectives import same_layout
+from ..engines.collectives import (
+    all_reduce_mean,
+    from_local,
+    full_tensor,
+    is_dtensor,
+    local_rows,
+    local_shard,
+    same_layout,
+)
 from ..engines.contract import gathered_parameters
 from ..engines.contract import param_changed as _param_changed
 from ..engines.contract import reset_state as _reset_state

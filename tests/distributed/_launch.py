@@ -57,7 +57,7 @@ def launch(
     first, except that the first failed rank's come last, where a test's ``stderr[-4000:]`` shows them."""
     context = _context()
     count = ranks or 1
-    port = str(free_port())
+    port = str(free_port()) if ranks is not None else ""
     with tempfile.TemporaryDirectory(prefix="launch_") as folder:
         procs, files = [], []
         for rank in range(count):
