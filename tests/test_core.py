@@ -53,16 +53,18 @@ def _train(model, optimizer, batches, *, on_step=None):
 
 
 # ---------------------------------------------------------------------------------------------- layer math
+@pytest.mark.parametrize("scale", [0.25, 0.3])
 @pytest.mark.parametrize("weight_storage", ["as_loaded", "int8"])
 @pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right", "full"])
 @pytest.mark.parametrize("shape", [(24, 16), (16, 24), (20, 20)])
-def test_forward_and_gradients_match_dense_linear(proj_type, shape, weight_storage):
+def test_forward_and_gradients_match_dense_linear(proj_type, shape, weight_storage, scale):
     """The layer against nn.Linear holding its effective weight: output, dX, dbias and dB = scale P^T G Q.
-    A quantized W0 takes the hand-written backward (`DequantizedBaseLinear`), a plain one autograd's."""
+    A quantized W0 takes the hand-written backward (`DequantizedBaseLinear`), a plain one autograd's. The
+    scale lives in the stored basis: exactly for a power of two, rounded once into the basis for 0.3."""
     m, n = shape
     torch.manual_seed(0)
     dense = nn.Linear(n, m)
-    config = GaLoreConfig(rank=4, proj_type=proj_type, weight_storage=weight_storage)
+    config = GaLoreConfig(rank=4, proj_type=proj_type, weight_storage=weight_storage, scale=scale)
     model = prepare_model(nn.Sequential(nn.Linear(n, m)), config)
     if weight_storage == "as_loaded":
         model[0].load_state_dict(

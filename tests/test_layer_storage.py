@@ -89,13 +89,30 @@ def _record_error(layer, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     return errors
 
 
+def _with_folded_scale(state: dict[str, torch.Tensor], layer) -> dict[str, torch.Tensor]:
+    """`state`, written before the layer folded its scale into a stored basis, as the layer saves it now: the
+    folded side's basis times the scale (a plain basis' values; a quantized one's block scales, its codes
+    unchanged), and ``galore_folded_scale`` recording it. Exact for the fixture's power-of-two scale."""
+    scale = layer.config.scale
+    assert math.log2(scale).is_integer()
+    prefix = f"galore_basis_{layer._folded_side}"
+    converted = dict(state)
+    for key, value in state.items():
+        if key in (prefix, prefix + "_scales"):
+            converted[key] = value * scale
+    converted["galore_folded_scale"] = torch.tensor(scale)
+    return converted
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_state_dict_written_by_the_old_layer_loads_to_the_same_keys_and_numbers(name):
-    old = FIXTURE[name]
     layer, optimizer = build(name)
-    # The same key names as before, for this storage setting, before and after a load.
+    old = {key: _with_folded_scale(FIXTURE[name][key], layer) for key in ("state_dict", "after_refresh")}
+    old = {**FIXTURE[name], **old}
+    # The same key names as before, for this storage setting (and the multiplier of the folded basis), before
+    # and after a load of the state written before the fold (without that multiplier: converted on load).
     assert set(layer.state_dict()) == set(old["state_dict"])
-    layer.load_state_dict(old["state_dict"], strict=True)
+    layer.load_state_dict(FIXTURE[name]["state_dict"], strict=True)
     loaded = layer.state_dict()
     assert set(loaded) == set(old["state_dict"])
     for key, value in old["state_dict"].items():
@@ -186,6 +203,75 @@ def test_state_dict_written_by_the_old_layer_loads_to_the_same_keys_and_numbers(
         value_norm = float(ours.norm()) / (1 + error)  # |v| >= |q| - |q - v| = |q| - error |v|
         atol = (float((ours - theirs).norm()) + 2 * value_error) / value_norm + measure_atol
         assert abs(error - expected_errors[key]) <= atol, (key, error, expected_errors[key], atol)
+
+
+def _layer_with_state(scale: float, basis_storage: str, proj_type: str = "std") -> nn.Module:
+    """A GaLore layer (24 x 16) with random orthonormal bases and a random factor."""
+    from hf_galore_plugin import GaLoreConfig
+    from hf_galore_plugin.layers import GaLoreLinear
+
+    torch.manual_seed(0)
+    config = GaLoreConfig(rank=RANK, scale=scale, basis_storage=basis_storage, proj_type=proj_type)
+    layer = GaLoreLinear(nn.Linear(IN_FEATURES, OUT_FEATURES), config, layer_index=0)
+    for side, dim in (("left", OUT_FEATURES), ("right", IN_FEATURES)):
+        if side in layer._bases and layer._bases[side] is not None:
+            layer._set_basis(side, torch.linalg.qr(torch.randn(dim, RANK))[0])
+    with torch.no_grad():
+        layer.galore_factor.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("proj_type", ["std", "full"])
+@pytest.mark.parametrize("basis_storage", ["as_computed", "int4"])
+@pytest.mark.parametrize("saved_scale", [0.5, 0.3])
+def test_a_basis_saved_under_another_scale_loads_as_the_same_basis(saved_scale, basis_storage, proj_type):
+    """The stored basis carries the scale (``galore_folded_scale`` records it): a state saved under scale s
+    loads into a layer of scale 0.25 as the same orthonormal bases and factor, the stored basis now carrying
+    0.25, and the layer computes nn.Linear's output for W0 + 0.25 P B Q^T (the dense oracle)."""
+    saved = _layer_with_state(saved_scale, basis_storage, proj_type)
+    state = saved.state_dict()
+    assert float(state["galore_folded_scale"]) == float(torch.tensor(saved_scale))  # as fp32 holds it
+    layer = _layer_with_state(0.25, basis_storage, proj_type)
+    with torch.no_grad():
+        layer.galore_factor.zero_()
+    layer.load_state_dict(state, strict=True)
+    assert float(layer.state_dict()["galore_folded_scale"]) == 0.25
+    # 0.5 -> 0.25 is a power of two: bit for bit; 0.3 -> 0.25 rounds once (fp32 values near 1/sqrt(dim))
+    tol = 0.0 if saved_scale == 0.5 else 4 * torch.finfo(torch.float32).eps
+    for side in ("left", "right"):
+        if layer._bases.get(side) is not None:
+            torch.testing.assert_close(layer.basis(side), saved.basis(side), rtol=0, atol=tol, msg=side)
+    dense = nn.Linear(IN_FEATURES, OUT_FEATURES)
+    with torch.no_grad():
+        delta = layer.galore_factor.detach()
+        if layer.basis("right") is not None:
+            delta = delta @ saved.basis("right").mT
+        if layer.basis("left") is not None:
+            delta = saved.basis("left") @ delta
+        dense.weight.copy_(saved.weight + 0.25 * delta)
+        dense.bias.copy_(saved.bias)
+    x = batch(5, torch.float32)
+    torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("basis_storage", ["as_computed", "int4"])
+def test_a_state_reloaded_under_its_own_scale_is_bit_for_bit(basis_storage):
+    """0.3 is not a power of two and fp32 holds it rounded: reloading under the same scale converts nothing."""
+    state = _layer_with_state(0.3, basis_storage).state_dict()
+    layer = _layer_with_state(0.3, basis_storage)
+    with torch.no_grad():
+        layer.galore_factor.zero_()
+    layer.load_state_dict(state, strict=True)
+    for key, value in layer.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+@pytest.mark.parametrize("value", [0.0, -0.25, float("nan"), float("inf")])
+def test_a_damaged_folded_scale_is_refused_naming_it(value):
+    state = _layer_with_state(0.25, "as_computed").state_dict()
+    state["galore_folded_scale"] = torch.tensor(value)
+    with pytest.raises(ValueError, match="galore_folded_scale"):
+        _layer_with_state(0.25, "as_computed").load_state_dict(state)
 
 
 @pytest.mark.parametrize("storage, group_size", [("int8", 32), ("int4", 32), ("nf4", 64)])

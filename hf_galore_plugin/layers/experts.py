@@ -181,7 +181,7 @@ class GaLoreExpertStack(GaLoreLinear):
                     None if p is None else p[expert],
                     None if q is None else q[expert],
                     self._alpha,
-                    self.config.scale,
+                    self._branch_scale,
                     functools.partial(self._record_expert, expert) if record else None,
                 )
             )

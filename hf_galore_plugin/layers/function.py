@@ -138,7 +138,8 @@ def galore_linear(
             y.register_hook(lambda dy: record(dy, x2))
         return y.reshape(*x.shape[:-1], y.shape[-1])
     h = x2 if q is None else x2 @ q
-    scaled = (factor * scale).mT
+    # scale is 1 where the layer folded it into a stored basis (every layer with one): no multiply at all.
+    scaled = factor.mT if scale == 1.0 else (factor * scale).mT
     if p is not None:
         h, last = h @ scaled, p.mT
     else:

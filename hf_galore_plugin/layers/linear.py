@@ -128,6 +128,7 @@ class GaLoreLinear(nn.Module):
     galore_factor: nn.Parameter
     bias: Optional[nn.Parameter]
     base_multiplier: torch.Tensor
+    galore_folded_scale: torch.Tensor  # registered where a stored basis carries the scale
     galore_step: torch.Tensor
     galore_last_refresh: torch.Tensor
     galore_num_refreshes: torch.Tensor
@@ -183,10 +184,8 @@ class GaLoreLinear(nn.Module):
         # The bases, side -> its storage (None: no basis, or the identity). Plain bases are kept in the
         # model's dtype (fp32 for fp32 models) to keep a bf16 model's bases small.
         self._bases: dict[str, Optional[StoredTensor]] = {"left": None, "right": None}
-        for side, rank, identity, dim in (
-            ("left", self.left_rank, self.left_identity, m),
-            ("right", self.right_rank, self.right_identity, n),
-        ):
+        sides = (("left", self.left_rank, self.left_identity, m), ("right", self.right_rank, self.right_identity, n))
+        for side, rank, identity, _ in sides:
             if rank is not None and not identity:
                 self._bases[side] = StoredTensor(
                     self,
@@ -195,6 +194,18 @@ class GaLoreLinear(nn.Module):
                     group_size=config.effective_basis_group_size,
                     dtype=self.weight_dtype,
                 )
+        # The GaLore scale is folded into one stored basis (the right one where there is one): its buffers
+        # hold scale * Q (or scale * P), so the step multiplies by nothing (no pass over B or its gradient)
+        # and dB = (dy P)^T (x scale Q) is the exact gradient. ``galore_folded_scale`` records the multiplier
+        # the stored values carry, so a state dict says what it holds, and a load converts a basis saved with
+        # another one (a state dict without the record holds the plain basis: multiplier 1). Without a stored
+        # basis (identity sides) the branch multiplies B.
+        self._folded_side: Optional[str] = next((s for s in ("right", "left") if self._bases[s] is not None), None)
+        self._branch_scale = 1.0 if self._folded_side is not None else config.scale
+        if self._folded_side is not None:
+            self.register_buffer("galore_folded_scale", torch.tensor(config.scale, dtype=torch.float32, device=device))
+        for side, rank, _, dim in sides:
+            if rank is not None and self._bases[side] is not None:
                 self._set_basis(side, torch.zeros(self._basis_shape(dim, rank), device=device, dtype=torch.float32))
 
     def _init_step_state(
@@ -278,6 +289,8 @@ class GaLoreLinear(nn.Module):
             if rank is not None and not identity:
                 shape = self._basis_shape(dim, rank)
                 self._set_basis(side, torch.zeros(shape, device=self.galore_factor.device, dtype=torch.float32))
+        if self._folded_side is not None:
+            self.galore_folded_scale.fill_(self.config.scale)
         self._reset_base()
         self._set_counter("galore_step", 0)
         self._set_counter("galore_last_refresh", -1)
@@ -435,19 +448,44 @@ class GaLoreLinear(nn.Module):
         return self._weight_store.value(dtype)
 
     def _set_basis(self, side: str, basis: torch.Tensor) -> None:
+        """Store the (orthonormal) basis of `side`; the folded side stores ``scale * basis``."""
         store = self._bases.get(side)
         if store is None:
             raise ValueError(f"GaLoreLinear has no computed basis on side {side!r} (sides: {self._basis_sides()})")
-        store.store(basis)
+        store.store(basis * self.config.scale if side == self._folded_side else basis)
 
     def basis(self, side: str, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
-        """The basis of `side` ('left' P: m x r, 'right' Q: n x r); None for no basis or the identity."""
+        """The basis of `side` ('left' P: m x r, 'right' Q: n x r), orthonormal (the stored values divided by the
+        folded scale); None for no basis or the identity."""
         store = self._bases.get(side)
         if store is None:
             if side not in self._bases:
                 raise ValueError(f"basis side must be 'left' or 'right', got {side!r}")
             return None
-        return store.value(dtype or self.weight_dtype)
+        dtype = dtype or self.weight_dtype
+        if side != self._folded_side:
+            return store.value(dtype)
+        # Divided in fp32 (a refresh or merge, not the step): one rounding into `dtype`.
+        return (store.value(torch.float32) / self.config.scale).to(dtype)
+
+    @torch.no_grad()
+    def _convert_folded_basis(self, carried: float) -> None:
+        """The stored basis carries the multiplier `carried` (what a loaded state dict recorded): make it carry
+        ``config.scale``. Exact when the ratio is a power of two (plain: one multiply; quantized: the same
+        codes, block scales times the ratio)."""
+        side = self._folded_side
+        assert side is not None
+        store = self._bases[side]
+        assert store is not None
+        scale = self.config.scale
+        if carried != scale:
+            if not store.quantized:
+                buffer = self._buffers[store.name]
+                assert buffer is not None
+                buffer.copy_(buffer.to(torch.float32) * (scale / carried))
+            else:
+                store.store(store.value(torch.float32) * (scale / carried))
+        self.galore_folded_scale.fill_(scale)
 
     # ------------------------------------------------------------------ low-rank branch, merged weight
     def lowrank_delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -525,7 +563,7 @@ class GaLoreLinear(nn.Module):
             None if left is None else left.value(dtype),
             None if right is None else right.value(dtype),
             alpha,
-            self.config.scale,
+            self._branch_scale,
             self._record_gradient if self.refresh_due else None,
         )
 
@@ -717,6 +755,8 @@ class GaLoreLinear(nn.Module):
             ):
                 self._buffers[name] = torch.empty_like(state_dict[key], device=self._buffers[name].device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
+        if self._folded_side is not None:
+            self._load_folded_scale(state_dict, prefix, missing_keys)
         if prefix + "galore_step" in state_dict:
             self._built_on_meta = False  # its own state came with the load
         if prefix + "galore_step" in state_dict or (self.weight is not None and prefix + "weight" in state_dict):
@@ -726,6 +766,29 @@ class GaLoreLinear(nn.Module):
         # the Trainer integration's resumes, torch.distributed.checkpoint's set_model_state_dict.
         self._read_counter_buffers(loaded=True)
         self._pending_grad = None
+
+    def _load_folded_scale(self, state_dict, prefix: str, missing_keys: list[str]) -> None:
+        # A basis came with the load: it carries the multiplier the state dict recorded, or, where it recorded
+        # none (saved before the scale was folded into the basis), none at all (1).
+        store = self._bases[self._folded_side]  # type: ignore[index]
+        assert store is not None
+        if not any(prefix + name in state_dict for name in store.buffer_names()):
+            return
+        key = prefix + "galore_folded_scale"
+        recorded = state_dict.get(key)
+        if recorded is None and key in missing_keys:
+            missing_keys.remove(key)
+        if recorded is not None and (recorded.is_meta or is_fake(recorded)):
+            return  # no values to convert (the memory planner's trace, a meta-device model)
+        carried = 1.0 if recorded is None else float(recorded)
+        if not (0.0 < carried < float("inf")):
+            raise ValueError(
+                f"{key} = {carried!r} in the loaded state: the multiplier a stored basis carries is the positive "
+                "GaLoreConfig.scale it was saved with; this state dict is damaged"
+            )
+        if recorded is not None and carried == float(torch.tensor(self.config.scale, dtype=recorded.dtype)):
+            carried = self.config.scale  # this layer's scale as the buffer's dtype holds it: nothing to convert
+        self._convert_folded_basis(carried)
 
 
 # Keeps the sketch's test-matrix seeds apart from the counter-driven seeds of _next_generator.
