@@ -70,17 +70,25 @@ class DequantizedBaseLinear(torch.autograd.Function):
         xc = x if x.dtype == dtype else x.to(dtype)
         b = factor if factor.dtype == dtype else factor.to(dtype)
         t = xc if q is None else xc @ q
-        if p is None:
-            u, last = t, b.mT
+        bias_c = None if bias is None or bias.dtype == dtype else bias.to(dtype)
+        bias_c = bias if bias_c is None else bias_c
+        if _form_in_forward(xc.shape[0], b.shape, p, q):
+            # Many tokens: the branch's GEMMs over them cost more than folding B into the dequantized W0.
+            weight = _effective_into(read(dtype), b, p, q, alpha, scale)
+            y = xc @ weight.mT if bias_c is None else torch.addmm(bias_c, xc, weight.mT)
+            del weight
         else:
-            u, last = t @ b.mT, p.mT
-        if bias is None:
-            low = torch.addmm(_zero(u), u, last, beta=0, alpha=scale)
-        else:
-            low = torch.addmm(bias if bias.dtype == dtype else bias.to(dtype), u, last, alpha=scale)
-        base = read(dtype)
-        y = torch.addmm(low, xc, base.mT, alpha=alpha)
-        del base  # freed here, one layer at a time
+            if p is None:
+                u, last = t, b.mT
+            else:
+                u, last = t @ b.mT, p.mT
+            if bias_c is None:
+                low = torch.addmm(_zero(u), u, last, beta=0, alpha=scale)
+            else:
+                low = torch.addmm(bias_c, u, last, alpha=scale)
+            base = read(dtype)
+            y = torch.addmm(low, xc, base.mT, alpha=alpha)
+            del base  # freed here, one layer at a time
         ctx.save_for_backward(t, b, p, q)
         ctx.read, ctx.alpha, ctx.scale = read, alpha, scale
         ctx.dtypes = (x.dtype, factor.dtype, None if bias is None else bias.dtype)
@@ -98,15 +106,56 @@ class DequantizedBaseLinear(torch.autograd.Function):
         if needs_factor:
             grad_factor = torch.addmm(_zero(du), du.mT, t, beta=0, alpha=ctx.scale).to(factor_dtype)
         if needs_x:
-            low = du @ b
-            if q is not None:
-                low = low @ q.mT
             base = ctx.read(dy.dtype)
-            grad_x = torch.addmm(low, dy, base, beta=ctx.scale, alpha=ctx.alpha).to(x_dtype)
+            if _form_in_backward(dy.shape[0], b.shape, p, q):
+                grad_x = (dy @ _effective_into(base, b, p, q, ctx.alpha, ctx.scale)).to(x_dtype)
+            else:
+                low = du @ b
+                if q is not None:
+                    low = low @ q.mT
+                grad_x = torch.addmm(low, dy, base, beta=ctx.scale, alpha=ctx.alpha).to(x_dtype)
             del base
         if needs_bias:
             grad_bias = dy.sum(0).to(bias_dtype)
         return grad_x, grad_factor, grad_bias, None, None, None, None, None, None
+
+
+def _form_in_forward(tokens: int, factor: torch.Size, p: Optional[torch.Tensor], q: Optional[torch.Tensor]) -> bool:
+    """Whether the forward computes ``x W^T`` through the effective weight W = alpha W0 + scale P B Q^T formed
+    in the dequantized W0 (m x n) rather than through the branch: by the GEMMs' multiply-adds that differ
+    (``x Q``, saved for dB, is computed either way). B is (r_p or m) x (r_q or n)."""
+    rows, cols = factor
+    m = rows if p is None else p.shape[0]
+    n = cols if q is None else q.shape[0]
+    # the branch after x Q: (N x cols) @ B^T, then @ P^T; the fold: P B (m x cols), then @ Q^T
+    branch = tokens * cols * rows + (0 if p is None else tokens * rows * m)
+    fold = (0 if p is None else m * rows * cols) + (0 if q is None else m * cols * n)
+    return fold < branch
+
+
+def _form_in_backward(tokens: int, factor: torch.Size, p: Optional[torch.Tensor], q: Optional[torch.Tensor]) -> bool:
+    """The same choice for dX = dy W: the branch's (dy P) B (then Q^T) over the tokens against forming W (dy P,
+    needed for dB, is computed either way)."""
+    rows, cols = factor
+    m = rows if p is None else p.shape[0]
+    n = cols if q is None else q.shape[0]
+    branch = tokens * rows * cols + (0 if q is None else tokens * cols * n)
+    fold = (0 if p is None else m * rows * cols) + (0 if q is None else m * cols * n)
+    return fold < branch
+
+
+def _effective_into(
+    base: torch.Tensor, b: torch.Tensor, p: Optional[torch.Tensor], q: Optional[torch.Tensor], alpha, scale: float
+) -> torch.Tensor:
+    """alpha * base + scale * P B Q^T (m x n, in base's dtype), written into `base`, a fresh dequantized copy of
+    W0 that nothing else holds. Rounded once into the compute dtype, as a dense layer's weight is."""
+    if q is not None:
+        return base.addmm_(b if p is None else p @ b, q.mT, beta=alpha, alpha=scale)
+    if p is not None:
+        return base.addmm_(p, b, beta=alpha, alpha=scale)
+    if alpha != 1.0:
+        base.mul_(alpha)
+    return base.add_(b, alpha=scale)
 
 
 def galore_linear(
