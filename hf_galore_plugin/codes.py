@@ -14,9 +14,10 @@ extreme quantiles finite for 16 (asymmetric) and 15 (symmetric) levels.
 
 from __future__ import annotations
 
-import functools
 
 import torch
+
+from .utils import table_cache
 
 __all__ = [
     "NF4_VALUES",
@@ -50,7 +51,7 @@ def uniform_values(bits: int) -> torch.Tensor:
     return torch.arange(levels + 1, dtype=torch.float32) * (2.0 / levels) - 1.0
 
 
-@functools.lru_cache(maxsize=None)
+@table_cache
 def grid_table(device: torch.device) -> torch.Tensor:
     """NF4 values followed by the 15 midpoints between neighbours (31 fp32 values).
 

@@ -585,6 +585,32 @@ def _cpp_one(module):
     return step_fn
 
 
+@pytest.mark.parametrize("context", ["meta_device", "fake_mode"])
+def test_code_tables_first_built_under_the_planners_trace_serve_real_steps(cpp_step, context):
+    """The code books and lookup tables are cached on first use; a first use inside the memory planner's trace
+    (the meta device as default, or a FakeTensorMode) must still cache real CPU tensors, which the C++ step
+    reads directly (a meta table fails it: "data is not allocated")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_galore_plugin.optim import adamw8bit_cpu
+    from hf_galore_plugin.optim.adamw8bit import adamw8bit_step_torch
+    from hf_galore_plugin.quant import dynamic
+
+    caches = (dynamic._code_book_cached, dynamic._code_lookup_cached, adamw8bit_cpu.packed_lookup_table)
+    for cache in caches:
+        cache.cache_clear()
+    with torch.device("meta") if context == "meta_device" else FakeTensorMode():
+        for signed in (True, False):
+            dynamic.dynamic_code_book(signed=signed)
+            dynamic.code_lookup_table(signed=signed)
+            adamw8bit_cpu.packed_lookup_table(signed)
+    tables = [dynamic.dynamic_code_book(signed=True)[0], adamw8bit_cpu.packed_lookup_table(True)]
+    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tables)
+    through_cpp = _steps(_cpp_one(cpp_step), 3000, error_feedback=False)
+    oracle = _steps(adamw8bit_step_torch, 3000, error_feedback=False)
+    assert all(torch.equal(a, b) for a, b in zip(through_cpp, oracle, strict=True))
+
+
 def test_8bit_without_a_build_runs_the_torch_step_and_names_the_build_command(no_cpp_build, caplog):
     # A machine without the C++ build: the op runs the torch step at once (no compiler started inside the
     # step: any build attempt fails this test), gives the torch step's results, and one log line names the

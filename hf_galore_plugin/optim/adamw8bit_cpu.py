@@ -29,6 +29,8 @@ from types import ModuleType
 
 import torch
 
+from hf_galore_plugin.utils import table_cache
+
 from hf_galore_plugin.quant.dynamic import (
     LOOKUP_BASE,
     LOOKUP_BUCKETS,
@@ -154,7 +156,7 @@ def load_built() -> ModuleType | None:
     return module
 
 
-@functools.lru_cache(maxsize=None)
+@table_cache
 def packed_lookup_table(signed: bool) -> torch.Tensor:
     """int32 [2 * LOOKUP_BUCKETS] for the C++ step: first | threshold << 8 per bucket, where first is
     `code_lookup_table`'s entry and `midpoints[first] < y` equals z(y) > threshold, z(y) being the low

@@ -38,6 +38,8 @@ import functools
 
 import torch
 
+from ..utils import table_cache
+
 __all__ = [
     "CODE_BOOK_SIZE",
     "SIGNED_OFFSET",
@@ -71,7 +73,7 @@ def _dynamic_values(signed: bool) -> tuple[float, ...]:
     return tuple(sorted(values))
 
 
-@functools.lru_cache(maxsize=None)
+@table_cache
 def _code_book_cached(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.tensor(_dynamic_values(signed), dtype=torch.float64)
     midpoints = (values[1:] + values[:-1]) * 0.5
@@ -93,7 +95,7 @@ LOOKUP_BASE = (127 + LOOKUP_MIN_EXPONENT) << LOOKUP_MANTISSA_BITS
 LOOKUP_BUCKETS = (1 - LOOKUP_MIN_EXPONENT) << LOOKUP_MANTISSA_BITS  # per sign
 
 
-@functools.lru_cache(maxsize=None)
+@table_cache
 def _code_lookup_cached(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     _, midpoints = _code_book_cached(signed, torch.device("cpu"))
     keys = torch.arange(LOOKUP_BUCKETS, dtype=torch.int64) + LOOKUP_BASE

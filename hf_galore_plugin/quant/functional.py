@@ -34,13 +34,12 @@ Non-finite input: a block holding a NaN or +-Inf gets a NaN scale and dequantize
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..codes import code_dtype, code_levels, grid_table, nibble_offset, packed_numel
+from ..utils import table_cache
 
 __all__ = [
     "SCHEMES",
@@ -120,17 +119,10 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return _pack_nibbles(flat)
 
 
-@functools.lru_cache(maxsize=None)
+@table_cache
 def _byte_table(scheme: str, device: torch.device) -> torch.Tensor:
     """(256, 2) fp32: the values of the low and the high nibble of every byte before the block scale
-    (symmetric int4: code - 8; NF4: the code book's value). Cached per device (read-only), and always a real
-    tensor: built outside any fake-tensor mode that is active at the first call (the memory planner's trace),
-    so a later real run never reads a cached fake table."""
-    with unset_fake_temporarily():
-        return _build_byte_table(scheme, device)
-
-
-def _build_byte_table(scheme: str, device: torch.device) -> torch.Tensor:
+    (symmetric int4: code - 8; NF4: the code book's value). Cached per device (read-only)."""
     nibbles = torch.arange(256)
     pairs = torch.stack([nibbles & 15, nibbles >> 4], dim=1)
     if scheme == "symmetric":
