@@ -1,27 +1,34 @@
 """The per-step code of a GaLore layer: its forward and, for a quantized W0, its backward.
 
-    y = alpha * x W0^T + x Q (scale B)^T P^T + bias      (P, Q: the bases, each left out where there is none)
+    y = alpha * x W0^T + scale * x Q B^T P^T + bias      (P, Q: the bases, each left out where there is none)
 
 Everything here runs on every training step of every layer, so it is written in launches and in host
 work, the two fixed costs a GPU waits for:
 
+- The scale is not applied here: the layer folds it into one stored basis (``scale * Q``, see
+  :mod:`.linear`) and passes ``scale=1``; only a layer without a stored basis (identity sides) passes its
+  scale, which then multiplies the small factor B (r x m values, not N x m).
 - W0 as loaded: the forward is the thin GEMMs of the low-rank branch and one ``addmm`` that forms
-  ``alpha * x W0^T`` and adds the branch (no pass over the activations for alpha, scale or the sum);
-  scale is applied to the small factor B instead (``scale * B``, r x m values, not N x m). The backward
-  is autograd's own (C++, no Python per layer): W0 does not require a gradient, so the weight GEMM of W0
-  is skipped and no m x n tensor is formed; dB = scale * (dy P)^T (x Q) comes from the branch's GEMMs,
-  and ``x Q`` (N x r) is what autograd saves for it. A hand-written backward would save three ops per
-  layer (the two ``scale`` multiplies and the sum of the two dX terms) but costs more CPU time than they
-  do as a Python autograd function (measured: BENCHMARKS.md "Step time").
+  ``alpha * x W0^T`` and adds the branch (no pass over the activations for alpha or the sum). The
+  backward is autograd's own (C++, no Python per layer): W0 does not require a gradient, so the weight
+  GEMM of W0 is skipped and no m x n tensor is formed; dB = (dy P)^T (x Q) comes from the branch's GEMMs,
+  and ``x Q`` (N x r) is what autograd saves for it. A hand-written backward would save one op per layer
+  (the sum of the two dX terms) but costs more CPU time than it does as a Python autograd function
+  (measured: BENCHMARKS.md "Step time").
 - W0 stored quantized: :class:`DequantizedBaseLinear`, the whole layer as one autograd node. This path
   needs a Python function anyway (its backward dequantizes W0 again rather than keeping the m x n copy
-  from the forward, which would cost what quantizing saved), so its backward is written out: scale and
-  alpha are the GEMMs' ``alpha``/``beta`` and the last GEMM sums dX.
+  from the forward, which would cost what quantizing saved), so its backward is written out: alpha and
+  scale are the GEMMs' ``alpha``/``beta``, the last GEMM sums dX, ``x Q`` is saved from the forward. When
+  the tokens outnumber what it costs (:func:`_form_in_forward`, :func:`_form_in_backward`: counted
+  multiply-adds), the forward and dX go through W = alpha W0 + scale P B Q^T formed in the dequantized
+  copy of W0 (one ``addmm_`` into a temporary that exists anyway, then one GEMM over the tokens) instead
+  of the branch's two GEMMs over the tokens.
 
-Rounding: ``scale * B`` (plain W0) is rounded once in B's dtype, the GEMMs' ``alpha``/``beta`` (quantized
-W0) round inside the GEMM; both are exact for the power-of-two scales of the presets, and the result stays
-within the dense reference's tolerances (tests/test_core.py,
-``test_forward_and_gradients_match_dense_linear`` for both paths).
+Rounding: a scale folded into a basis is exact for the presets' power-of-two scales and rounded once into
+the basis otherwise; the GEMMs' ``alpha``/``beta`` round inside the GEMM; a formed W is rounded once into
+the compute dtype, as a dense layer's weight is. The results stay within the dense reference's
+tolerances (tests/test_core.py, ``test_forward_and_gradients_match_dense_linear``: both paths, both
+forms, scales 0.25 and 0.3).
 """
 
 from __future__ import annotations
@@ -57,7 +64,9 @@ class DequantizedBaseLinear(torch.autograd.Function):
     function anyway: alpha and scale are the ``alpha``/``beta`` of the GEMMs (no pass over activations,
     no ``scale * B``), ``x Q`` is saved from the forward, and the two contributions to dX are summed by the
     last GEMM instead of a separate add. Forward: ``x Q``, the branch's GEMMs (the last one adds the bias),
-    one ``addmm`` with W0; backward: dB, the branch back to dX, one ``addmm`` with W0.
+    one ``addmm`` with W0; backward: dB, the branch back to dX, one ``addmm`` with W0. With many tokens
+    either pass instead forms W in the dequantized W0 (``read`` returns a fresh copy nothing else holds)
+    and makes one GEMM over the tokens with it.
 
     `x`: N x n, `p` (m x r), `q` (n x r): the bases in `dtype` (the compute dtype), or None; `factor`,
     `x` and `bias` are cast to `dtype` inside, their gradients returned in their own dtypes.
