@@ -15,9 +15,9 @@ extreme quantiles finite for 16 (asymmetric) and 15 (symmetric) levels.
 from __future__ import annotations
 
 
-import torch
+import functools
 
-from .utils import table_cache
+import torch
 
 __all__ = [
     "NF4_VALUES",
@@ -49,6 +49,22 @@ def uniform_values(bits: int) -> torch.Tensor:
     """`2**bits` evenly spaced points on [-1, 1] (fp32), the code book of the uniform scheme."""
     levels = 2**bits - 1
     return torch.arange(levels + 1, dtype=torch.float32) * (2.0 / levels) - 1.0
+
+
+def table_cache(build):
+    """``functools.lru_cache`` for a constant lookup table built from its arguments: the build runs outside
+    any fake-tensor mode and with the CPU as default device, whatever is active at the first call (the
+    memory planner traces under fake tensors and the meta device), so every cached table is a real tensor
+    on the device the build names (a later real step never reads a fake or meta table)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    @functools.lru_cache(maxsize=None)
+    @functools.wraps(build)
+    def cached(*args):
+        with unset_fake_temporarily(), torch.device("cpu"):
+            return build(*args)
+
+    return cached
 
 
 @table_cache

@@ -23,22 +23,6 @@ __all__ = [
 ]
 
 
-def table_cache(build):
-    """``functools.lru_cache`` for a constant lookup table built from its arguments: the build runs outside
-    any fake-tensor mode and with the CPU as default device, whatever is active at the first call (the
-    memory planner traces under fake tensors and the meta device), so every cached table is a real tensor
-    on the device the build names (a later real step never reads a fake or meta table)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    @functools.lru_cache(maxsize=None)
-    @functools.wraps(build)
-    def cached(*args):
-        with unset_fake_temporarily(), torch.device("cpu"):
-            return build(*args)
-
-    return cached
-
-
 # Optional dependency -> the extra of this package that installs it.
 EXTRAS = {"deepspeed": "deepspeed", "peft": "peft", "triton": "triton"}
 

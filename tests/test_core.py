@@ -53,15 +53,15 @@ def _train(model, optimizer, batches, *, on_step=None):
 
 
 # ---------------------------------------------------------------------------------------------- layer math
-@pytest.mark.parametrize("tokens", [6, 48])
+@pytest.mark.parametrize("tokens", [6, 1032])
 @pytest.mark.parametrize("scale", [0.25, 0.3])
 @pytest.mark.parametrize("weight_storage", ["as_loaded", "int8"])
 @pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right", "full"])
 @pytest.mark.parametrize("shape", [(24, 16), (16, 24), (20, 20)])
 def test_forward_and_gradients_match_dense_linear(proj_type, shape, weight_storage, scale, tokens):
     """The layer against nn.Linear holding its effective weight: output, dX, dbias and dB = scale P^T G Q.
-    A quantized W0 takes the hand-written backward (`DequantizedBaseLinear`), a plain one autograd's; with 48
-    tokens (more than either side) the quantized layer forms W = alpha W0 + scale P B Q^T in the dequantized
+    A quantized W0 takes the hand-written backward (`DequantizedBaseLinear`), a plain one autograd's; with 1032
+    tokens (at least FORM_MIN_TOKENS, more than either side) the quantized layer forms W = alpha W0 + scale P B Q^T in the dequantized
     W0 for the forward and dX, with 6 it goes through the branch. The scale lives in the stored basis:
     exactly for a power of two, rounded once into the basis for 0.3."""
     m, n = shape

@@ -129,10 +129,18 @@ class DequantizedBaseLinear(torch.autograd.Function):
         return grad_x, grad_factor, grad_bias, None, None, None, None, None, None
 
 
+# Below this many tokens per call the branch is kept: the fold would save a few percent of the layer's small
+# GEMMs, and one formulation for every small batch keeps runs that split a batch differently (data-parallel
+# ranks against one process, the engine comparisons) on the same rounding.
+FORM_MIN_TOKENS = 1024
+
+
 def _form_in_forward(tokens: int, factor: torch.Size, p: Optional[torch.Tensor], q: Optional[torch.Tensor]) -> bool:
     """Whether the forward computes ``x W^T`` through the effective weight W = alpha W0 + scale P B Q^T formed
     in the dequantized W0 (m x n) rather than through the branch: by the GEMMs' multiply-adds that differ
     (``x Q``, saved for dB, is computed either way). B is (r_p or m) x (r_q or n)."""
+    if tokens < FORM_MIN_TOKENS:
+        return False
     rows, cols = factor
     m = rows if p is None else p.shape[0]
     n = cols if q is None else q.shape[0]
@@ -145,6 +153,8 @@ def _form_in_forward(tokens: int, factor: torch.Size, p: Optional[torch.Tensor],
 def _form_in_backward(tokens: int, factor: torch.Size, p: Optional[torch.Tensor], q: Optional[torch.Tensor]) -> bool:
     """The same choice for dX = dy W: the branch's (dy P) B (then Q^T) over the tokens against forming W (dy P,
     needed for dB, is computed either way)."""
+    if tokens < FORM_MIN_TOKENS:
+        return False
     rows, cols = factor
     m = rows if p is None else p.shape[0]
     n = cols if q is None else q.shape[0]

@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from hf_galore_plugin.utils import table_cache
+from hf_galore_plugin.codes import table_cache
 
 from hf_galore_plugin.quant.dynamic import (
     LOOKUP_BASE,

@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from ..utils import table_cache
+from ..codes import table_cache
 
 __all__ = [
     "CODE_BOOK_SIZE",

@@ -38,8 +38,7 @@ import math
 
 import torch
 
-from ..codes import code_dtype, code_levels, grid_table, nibble_offset, packed_numel
-from ..utils import table_cache
+from ..codes import code_dtype, code_levels, grid_table, nibble_offset, packed_numel, table_cache
 
 __all__ = [
     "SCHEMES",
