@@ -18,11 +18,11 @@ work, the two fixed costs a GPU waits for:
 - W0 stored quantized: :class:`DequantizedBaseLinear`, the whole layer as one autograd node. This path
   needs a Python function anyway (its backward dequantizes W0 again rather than keeping the m x n copy
   from the forward, which would cost what quantizing saved), so its backward is written out: alpha and
-  scale are the GEMMs' ``alpha``/``beta``, the last GEMM sums dX, ``x Q`` is saved from the forward. When
-  the tokens outnumber what it costs (:func:`_form_in_forward`, :func:`_form_in_backward`: counted
-  multiply-adds), the forward and dX go through W = alpha W0 + scale P B Q^T formed in the dequantized
-  copy of W0 (one ``addmm_`` into a temporary that exists anyway, then one GEMM over the tokens) instead
-  of the branch's two GEMMs over the tokens.
+  scale are the GEMMs' ``alpha``/``beta``, the last GEMM sums dX, ``x Q`` is saved from the forward. From
+  FORM_MIN_TOKENS tokens, where they outnumber what it costs (:func:`_form`: counted multiply-adds), the
+  forward and dX go through W = alpha W0 + scale P B Q^T formed in the dequantized copy of W0 (one
+  ``addmm_`` into a temporary that exists anyway, then one GEMM over the tokens) instead of the branch's
+  GEMMs over the tokens.
 
 Rounding: a scale folded into a basis is exact for the presets' power-of-two scales and rounded once into
 the basis otherwise; the GEMMs' ``alpha``/``beta`` round inside the GEMM; a formed W is rounded once into
@@ -81,7 +81,7 @@ class DequantizedBaseLinear(torch.autograd.Function):
         t = xc if q is None else xc @ q
         bias_c = None if bias is None or bias.dtype == dtype else bias.to(dtype)
         bias_c = bias if bias_c is None else bias_c
-        if _form_in_forward(xc.shape[0], b.shape, p, q):
+        if _form(xc.shape[0], b.shape, p, q, backward=False):
             # Many tokens: the branch's GEMMs over them cost more than folding B into the dequantized W0.
             weight = _effective_into(read(dtype), b, p, q, alpha, scale)
             y = xc @ weight.mT if bias_c is None else torch.addmm(bias_c, xc, weight.mT)
@@ -116,7 +116,7 @@ class DequantizedBaseLinear(torch.autograd.Function):
             grad_factor = torch.addmm(_zero(du), du.mT, t, beta=0, alpha=ctx.scale).to(factor_dtype)
         if needs_x:
             base = ctx.read(dy.dtype)
-            if _form_in_backward(dy.shape[0], b.shape, p, q):
+            if _form(dy.shape[0], b.shape, p, q, backward=True):
                 grad_x = (dy @ _effective_into(base, b, p, q, ctx.alpha, ctx.scale)).to(x_dtype)
             else:
                 low = du @ b
@@ -135,31 +135,23 @@ class DequantizedBaseLinear(torch.autograd.Function):
 FORM_MIN_TOKENS = 1024
 
 
-def _form_in_forward(tokens: int, factor: torch.Size, p: Optional[torch.Tensor], q: Optional[torch.Tensor]) -> bool:
-    """Whether the forward computes ``x W^T`` through the effective weight W = alpha W0 + scale P B Q^T formed
-    in the dequantized W0 (m x n) rather than through the branch: by the GEMMs' multiply-adds that differ
-    (``x Q``, saved for dB, is computed either way). B is (r_p or m) x (r_q or n)."""
+def _form(
+    tokens: int, factor: torch.Size, p: Optional[torch.Tensor], q: Optional[torch.Tensor], *, backward: bool
+) -> bool:
+    """Whether the forward's ``x W^T`` (or, `backward`, dX = dy W) goes through W = alpha W0 + scale P B Q^T
+    formed in the dequantized W0 rather than through the low-rank branch, by the multiply-adds of the GEMMs
+    that differ (``x Q`` and ``dy P``, needed for dB, are computed either way). B is (r_p or m) x (r_q or n).
+    """
     if tokens < FORM_MIN_TOKENS:
         return False
     rows, cols = factor
     m = rows if p is None else p.shape[0]
     n = cols if q is None else q.shape[0]
-    # the branch after x Q: (N x cols) @ B^T, then @ P^T; the fold: P B (m x cols), then @ Q^T
-    branch = tokens * cols * rows + (0 if p is None else tokens * rows * m)
-    fold = (0 if p is None else m * rows * cols) + (0 if q is None else m * cols * n)
-    return fold < branch
-
-
-def _form_in_backward(tokens: int, factor: torch.Size, p: Optional[torch.Tensor], q: Optional[torch.Tensor]) -> bool:
-    """The same choice for dX = dy W: the branch's (dy P) B (then Q^T) over the tokens against forming W (dy P,
-    needed for dB, is computed either way)."""
-    if tokens < FORM_MIN_TOKENS:
-        return False
-    rows, cols = factor
-    m = rows if p is None else p.shape[0]
-    n = cols if q is None else q.shape[0]
-    branch = tokens * rows * cols + (0 if q is None else tokens * cols * n)
-    fold = (0 if p is None else m * rows * cols) + (0 if q is None else m * cols * n)
+    fold = (0 if p is None else m * rows * cols) + (0 if q is None else m * cols * n)  # P B, then @ Q^T
+    if backward:  # (dy P) B over the tokens, then @ Q^T
+        branch = tokens * rows * cols + (0 if q is None else tokens * cols * n)
+    else:  # (x Q) B^T over the tokens, then @ P^T
+        branch = tokens * cols * rows + (0 if p is None else tokens * rows * m)
     return fold < branch
 
 
