@@ -769,7 +769,7 @@ class GaLoreLinear(nn.Module):
 
     def _load_folded_scale(self, state_dict, prefix: str, missing_keys: list[str]) -> None:
         # A basis came with the load: it carries the multiplier the state dict recorded, or, where it recorded
-        # none (saved before the scale was folded into the basis), none at all (1).
+        # none (the earlier format, which holds the plain basis), none at all (1).
         store = self._bases[self._folded_side]  # type: ignore[index]
         assert store is not None
         if not any(prefix + name in state_dict for name in store.buffer_names()):
