@@ -14,7 +14,6 @@ extreme quantiles finite for 16 (asymmetric) and 15 (symmetric) levels.
 
 from __future__ import annotations
 
-
 import functools
 
 import torch

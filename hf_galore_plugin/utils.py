@@ -22,7 +22,6 @@ __all__ = [
     "EXTRAS",
 ]
 
-
 # Optional dependency -> the extra of this package that installs it.
 EXTRAS = {"deepspeed": "deepspeed", "peft": "peft", "triton": "triton"}
 

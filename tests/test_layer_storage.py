@@ -214,7 +214,7 @@ def _layer_with_state(scale: float, basis_storage: str, proj_type: str = "std") 
     config = GaLoreConfig(rank=RANK, scale=scale, basis_storage=basis_storage, proj_type=proj_type)
     layer = GaLoreLinear(nn.Linear(IN_FEATURES, OUT_FEATURES), config, layer_index=0)
     for side, dim in (("left", OUT_FEATURES), ("right", IN_FEATURES)):
-        if side in layer._bases and layer._bases[side] is not None:
+        if layer._bases.get(side) is not None:
             layer._set_basis(side, torch.linalg.qr(torch.randn(dim, RANK))[0])
     with torch.no_grad():
         layer.galore_factor.normal_()

@@ -159,9 +159,7 @@ class GaLoreExpertStack(GaLoreLinear):
             raise ValueError(f"counts has {len(counts)} entries for {self.num_experts} experts")
         device_type = x.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        left, right = self._bases["left"], self._bases["right"]
-        p = None if left is None else left.value(dtype)
-        q = None if right is None else right.value(dtype)
+        p, q = self._step_bases(dtype)
         factors = self.galore_factor.unbind(0)
         weight = self.weight
         record = self.refresh_due
@@ -390,7 +388,7 @@ class GaLoreExpertStack(GaLoreLinear):
         effective weights are unchanged (up to the rounding of a quantized or bf16 W0)."""
         self._check_factor_layout()
         factor = full_tensor(self.galore_factor.detach())
-        p, q = self.basis("left", torch.float32), self.basis("right", torch.float32)
+        p, q = self._step_bases(torch.float32)  # the folded side carries the scale
         # FSDP2 shards W0 on the expert dimension: each rank folds the experts it holds (bases and the
         # gathered factor are whole on every rank).
         start, stop = (0, self.num_experts) if self.weight is None else local_rows(self.weight)
@@ -405,13 +403,13 @@ class GaLoreExpertStack(GaLoreLinear):
             if p is not None:
                 delta = p[expert] @ delta
             if weight is not None:
-                merged = weight[expert - start].to(torch.float32) * self._alpha + delta * self.config.scale
+                merged = weight[expert - start].to(torch.float32) * self._alpha + delta * self._branch_scale
                 if weight.dtype == torch.bfloat16 and stochastic:
                     merged = stochastic_round_to_bf16(merged, self._next_generator(merged.device))
                 weight[expert - start].copy_(merged)
             else:
                 assert store is not None
-                merged = store.value_slice(expert, torch.float32) * self._alpha + delta * self.config.scale
+                merged = store.value_slice(expert, torch.float32) * self._alpha + delta * self._branch_scale
                 generator = self._next_generator(merged.device) if stochastic else None
                 err, norm = store.store_slice(expert, merged, generator=generator)
                 error_sq, norm_sq = error_sq + err, norm_sq + norm
@@ -428,12 +426,12 @@ class GaLoreExpertStack(GaLoreLinear):
             return self.lowrank_delta(torch.float32)[start:stop]  # gathers the factor (a collective)
         # Each expert's delta P_e B_e Q_e^T needs only its own factor: local to the shard, whatever the side.
         delta = local_shard(self.galore_factor.detach()).to(torch.float32)
-        p, q = self.basis("left", torch.float32), self.basis("right", torch.float32)
+        p, q = self._step_bases(torch.float32)  # the folded side carries the scale
         if q is not None:
             delta = delta @ q[start:stop].mT
         if p is not None:
             delta = p[start:stop] @ delta
-        return delta * self.config.scale
+        return delta * self._branch_scale
 
     def state_nbytes(self) -> dict[str, int]:
         nbytes = super().state_nbytes()

@@ -79,8 +79,7 @@ class DequantizedBaseLinear(torch.autograd.Function):
         xc = x if x.dtype == dtype else x.to(dtype)
         b = factor if factor.dtype == dtype else factor.to(dtype)
         t = xc if q is None else xc @ q
-        bias_c = None if bias is None or bias.dtype == dtype else bias.to(dtype)
-        bias_c = bias if bias_c is None else bias_c
+        bias_c = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
         if _form(xc.shape[0], b.shape, p, q, backward=False):
             # Many tokens: the branch's GEMMs over them cost more than folding B into the dequantized W0.
             weight = _effective_into(read(dtype), b, p, q, alpha, scale)

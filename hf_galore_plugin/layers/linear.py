@@ -468,6 +468,12 @@ class GaLoreLinear(nn.Module):
         # Divided in fp32 (a refresh or merge, not the step): one rounding into `dtype`.
         return (store.value(torch.float32) / self.config.scale).to(dtype)
 
+    def _step_bases(self, dtype: torch.dtype) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(P, Q) in `dtype` as the step multiplies with them: the folded side's stored values carry the scale,
+        so P B Q^T times ``_branch_scale`` is scale * P B Q^T (None: no basis, or the identity)."""
+        left, right = self._bases["left"], self._bases["right"]
+        return None if left is None else left.value(dtype), None if right is None else right.value(dtype)
+
     @torch.no_grad()
     def _convert_folded_basis(self, carried: float) -> None:
         """The stored basis carries the multiplier `carried` (what a loaded state dict recorded): make it carry
@@ -494,16 +500,16 @@ class GaLoreLinear(nn.Module):
         A sharded factor (FSDP2 DTensor) is gathered first: a collective, every rank must call it.
         """
         self._check_factor_layout()
-        p, q = self.basis("left", dtype), self.basis("right", dtype)
+        p, q = self._step_bases(dtype)
         delta = full_tensor(self.galore_factor.detach()).to(dtype)
         if q is None and p is None:
-            return delta * self.config.scale
+            return delta * self._branch_scale
         if q is not None:
             delta = delta @ q.mT
         if p is not None:
             delta = p @ delta
-        # In place on the product (a fresh m x n tensor): one full-size temporary fewer when folding.
-        return delta.mul_(self.config.scale)
+        # A stored basis carries the scale: the product is the delta, with no pass over the m x n tensor.
+        return delta
 
     def _local_lowrank_delta(self, like: torch.Tensor) -> torch.Tensor:
         """This rank's part of the low-rank delta, for a W0 sharded as the DTensor `like` (FSDP2: Shard(0) rows)."""
@@ -512,10 +518,8 @@ class GaLoreLinear(nn.Module):
             # B (m x r) and W0 (m x n) share their rows and are cut the same way: the right-basis fold
             # W0 += scale * B Q^T is local to each shard and needs no communication.
             delta = local_shard(factor).to(torch.float32)
-            q = self.basis("right", torch.float32)
-            if q is not None:
-                delta = delta @ q.mT
-            return delta * self.config.scale
+            q = self._step_bases(torch.float32)[1]
+            return delta * self._branch_scale if q is None else delta @ q.mT
         # A left basis mixes all rows of B into each row of W0: gather B (small), form the delta, keep
         # this rank's rows (cut locally, without communication).
         return local_shard(shard_like(like, self.lowrank_delta(torch.float32)))
@@ -553,15 +557,15 @@ class GaLoreLinear(nn.Module):
         device_type = x.device.type
         alpha = self.base_multiplier if torch.compiler.is_compiling() else self._alpha
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        left, right = self._bases["left"], self._bases["right"]
+        p, q = self._step_bases(dtype)
         return galore_linear(
             x,
             self.galore_factor,
             self.bias,
             self.weight,
             self._weight_value,
-            None if left is None else left.value(dtype),
-            None if right is None else right.value(dtype),
+            p,
+            q,
             alpha,
             self._branch_scale,
             self._record_gradient if self.refresh_due else None,

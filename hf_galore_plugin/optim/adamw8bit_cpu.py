@@ -30,7 +30,6 @@ from types import ModuleType
 import torch
 
 from hf_galore_plugin.codes import table_cache
-
 from hf_galore_plugin.quant.dynamic import (
     LOOKUP_BASE,
     LOOKUP_BUCKETS,
