@@ -19,6 +19,11 @@ the load of a shared machine:
 
 Every step is an ordinary one (no basis refresh): the models are built with a refresh gap longer than
 the run and stepped through their calibration before the timed rounds.
+
+Two reference rows, `floor_lowrank` and `floor_quantized` (benchmarks/_floor.py), are the least an eager
+PyTorch GaLore layer can do per step, plain and with the qgalore preset's quantized storage (the tensor
+work only, torch's fused AdamW): what a preset costs beyond them is its own overhead, and a target below
+them is out of reach without fusing kernels or compiling.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-METHODS = ("adamw_fused", "galore_torch", "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+# The least an eager layer of each kind can do per step (benchmarks/_floor.py): how far each preset is from it.
+FLOORS = ("floor_lowrank", "floor_quantized")
+METHODS = ("adamw_fused", "galore_torch", *OURS, *FLOORS)
 # The tiny Llama of the overhead table: 4 decoder layers of 7 linear maps each.
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=512)  # fmt: skip
@@ -113,6 +120,11 @@ class Runner:
                 {"params": matrices, "rank": rank, "update_proj_gap": 10**9, "scale": 0.25, "proj_type": "std"},
             ]
             self.optimizer = GaLoreAdamW(groups, lr=1e-3)
+        elif method in FLOORS:
+            from _floor import install
+
+            install(self.model, rank=rank, scale=0.25, quantized=method == "floor_quantized")
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=True)
         elif method in OURS:
             config = hgp.GaLoreConfig.preset(method, rank=rank, update_proj_gap=10**6)
             hgp.prepare_model(self.model, config)
@@ -122,7 +134,7 @@ class Runner:
         else:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.forward: Callable[..., Any] = self.model  # torch.compile(self.model) with --compile
-        self.galore_layers = sum(type(m).__name__ == "GaLoreLinear" for m in self.model.modules())
+        self.galore_layers = sum(type(m).__name__ in ("GaLoreLinear", "FloorLinear") for m in self.model.modules())
         self.linear_layers = sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())
 
     def calibrate(self, tokens: torch.Tensor) -> None:

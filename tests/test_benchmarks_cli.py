@@ -320,7 +320,11 @@ def test_which_optimizer_tables_use_the_larger_peak_and_keep_adapters_out_of_the
 def test_step_overhead_counts_ops_and_times_every_method(tmp_path, compiled):
     out = tmp_path / "step_overhead.json"
     # Compiled: two methods (the code path; each model's inductor compile costs ~15 s of CPU on a fresh cache).
-    methods = ["adamw_fused", "galore_adamw"] if compiled else ["adamw_fused", "galore_adamw", "qgalore_adamw_8bit"]
+    methods = (
+        ["adamw_fused", "galore_adamw"]
+        if compiled
+        else ["adamw_fused", "galore_adamw", "qgalore_adamw_8bit", "floor_quantized"]
+    )
     args = [sys.executable, "benchmarks/step_overhead.py", "--rounds", "2", "--out", str(out), "--methods", *methods]
     proc = _run(args + (["--compile"] if compiled else []), tmp_path)
     result = json.loads(out.read_text())
@@ -339,3 +343,29 @@ def test_step_overhead_counts_ops_and_times_every_method(tmp_path, compiled):
         assert result["graphs_compiled"] >= 2 and result["graphs_compiled_while_timed"] == 0
         assert "torch.compile(model) for every method" in proc.stdout
     assert f"| `{methods[-1]}` |" in proc.stdout
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "quantized"])
+def test_floor_layer_matches_its_dense_layer(quantized):
+    """The reference rows of step_overhead.py (benchmarks/_floor.py) train what a GaLore layer trains: output,
+    dX and dB equal those of the dense layer W0 + B Q^T built from the values the floor layer reads."""
+    sys.path.append(str(REPO / "benchmarks"))
+    import _floor
+
+    torch.manual_seed(0)
+    floor = _floor.FloorLinear(torch.nn.Linear(64, 176, bias=False), rank=16, scale=0.25, quantized=quantized)
+    with torch.no_grad():
+        floor.b.normal_()
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    y = floor(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    w0 = floor.read_weight() if quantized else floor.w0
+    q = floor.read_basis() if quantized else floor.q
+    assert torch.allclose(q.T @ q, torch.eye(16) * 0.25**2, atol=2e-2 if quantized else 1e-5)
+    x_ref, b_ref = x.detach().clone().requires_grad_(), floor.b.detach().clone().requires_grad_()
+    y_ref = x_ref @ (w0 + b_ref @ q.T).T
+    y_ref.backward(dy)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(floor.b.grad, b_ref.grad, rtol=1e-5, atol=1e-5)

@@ -68,7 +68,9 @@ class DequantizedBaseLinear(torch.autograd.Function):
     either pass instead forms W in the dequantized W0 (``read`` returns a fresh copy nothing else holds)
     and makes one GEMM over the tokens with it.
 
-    `x`: N x n, `p` (m x r), `q` (n x r): the bases in `dtype` (the compute dtype), or None; `factor`,
+    `x`: (..., n), flattened to N x n inside, so the leading dimensions cost no autograd view nodes (the
+    output is (..., m), made with ``_unsafe_view``: a tensor of its own for autograd, so a caller may modify
+    it in place); `p` (m x r), `q` (n x r): the bases in `dtype` (the compute dtype), or None; `factor`,
     `x` and `bias` are cast to `dtype` inside, their gradients returned in their own dtypes.
     """
 
@@ -76,11 +78,13 @@ class DequantizedBaseLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, factor: torch.Tensor, bias: Optional[torch.Tensor],
                 read: Callable[[torch.dtype], torch.Tensor], p: Optional[torch.Tensor], q: Optional[torch.Tensor],
                 alpha: float, scale: float, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        xc = x if x.dtype == dtype else x.to(dtype)
+        xc = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if xc.dtype != dtype:
+            xc = xc.to(dtype)
         b = factor if factor.dtype == dtype else factor.to(dtype)
         t = xc if q is None else xc @ q
         bias_c = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
-        if _form(xc.shape[0], b.shape, p, q, backward=False):
+        if xc.shape[0] >= FORM_MIN_TOKENS and _form(xc.shape[0], b.shape, p, q, backward=False):
             # Many tokens: the branch's GEMMs over them cost more than folding B into the dequantized W0.
             weight = _effective_into(read(dtype), b, p, q, alpha, scale)
             y = xc @ weight.mT if bias_c is None else torch.addmm(bias_c, xc, weight.mT)
@@ -91,7 +95,8 @@ class DequantizedBaseLinear(torch.autograd.Function):
             else:
                 u, last = t @ b.mT, p.mT
             if bias_c is None:
-                low = torch.addmm(_zero(u), u, last, beta=0, alpha=scale)
+                # scale is 1 for every layer with a stored basis (folded): a plain GEMM, no zero input to expand
+                low = u @ last if scale == 1.0 else torch.addmm(_zero(u), u, last, beta=0, alpha=scale)
             else:
                 low = torch.addmm(bias_c, u, last, alpha=scale)
             base = read(dtype)
@@ -100,31 +105,43 @@ class DequantizedBaseLinear(torch.autograd.Function):
         ctx.save_for_backward(t, b, p, q)
         ctx.read, ctx.alpha, ctx.scale = read, alpha, scale
         ctx.dtypes = (x.dtype, factor.dtype, None if bias is None else bias.dtype)
-        return y
+        ctx.x_shape = x.shape
+        return y if x.dim() == 2 else torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         t, b, p, q = ctx.saved_tensors
         x_dtype, factor_dtype, bias_dtype = ctx.dtypes
         needs_x, needs_factor, needs_bias = ctx.needs_input_grad[:3]
+        if dy.dim() != 2:
+            dy = dy.reshape(-1, dy.shape[-1])
         if dy.dtype != t.dtype:
             dy = dy.to(t.dtype)
         du = dy if p is None else dy @ p  # the gradient of x Q B^T (unscaled: scale goes into the GEMMs)
         grad_x = grad_factor = grad_bias = None
+        scale = ctx.scale
         if needs_factor:
-            grad_factor = torch.addmm(_zero(du), du.mT, t, beta=0, alpha=ctx.scale).to(factor_dtype)
+            grad_factor = du.mT @ t if scale == 1.0 else torch.addmm(_zero(du), du.mT, t, beta=0, alpha=scale)
+            if grad_factor.dtype != factor_dtype:
+                grad_factor = grad_factor.to(factor_dtype)
         if needs_x:
             base = ctx.read(dy.dtype)
-            if _form(dy.shape[0], b.shape, p, q, backward=True):
-                grad_x = (dy @ _effective_into(base, b, p, q, ctx.alpha, ctx.scale)).to(x_dtype)
+            if dy.shape[0] >= FORM_MIN_TOKENS and _form(dy.shape[0], b.shape, p, q, backward=True):
+                grad_x = dy @ _effective_into(base, b, p, q, ctx.alpha, scale)
             else:
                 low = du @ b
                 if q is not None:
                     low = low @ q.mT
-                grad_x = torch.addmm(low, dy, base, beta=ctx.scale, alpha=ctx.alpha).to(x_dtype)
+                grad_x = torch.addmm(low, dy, base, beta=scale, alpha=ctx.alpha)
             del base
+            if grad_x.dtype != x_dtype:
+                grad_x = grad_x.to(x_dtype)
+            if len(ctx.x_shape) != 2:
+                grad_x = grad_x.view(ctx.x_shape)
         if needs_bias:
-            grad_bias = dy.sum(0).to(bias_dtype)
+            grad_bias = dy.sum(0)
+            if grad_bias.dtype != bias_dtype:
+                grad_bias = grad_bias.to(bias_dtype)
         return grad_x, grad_factor, grad_bias, None, None, None, None, None, None
 
 
@@ -140,9 +157,8 @@ def _form(
     """Whether the forward's ``x W^T`` (or, `backward`, dX = dy W) goes through W = alpha W0 + scale P B Q^T
     formed in the dequantized W0 rather than through the low-rank branch, by the multiply-adds of the GEMMs
     that differ (``x Q`` and ``dy P``, needed for dB, are computed either way). B is (r_p or m) x (r_q or n).
+    Callers test ``tokens >= FORM_MIN_TOKENS`` first, so a small call does not enter this function.
     """
-    if tokens < FORM_MIN_TOKENS:
-        return False
     rows, cols = factor
     m = rows if p is None else p.shape[0]
     n = cols if q is None else q.shape[0]
@@ -187,15 +203,15 @@ def galore_linear(
     `alpha` and `scale` are Python floats (`alpha` a 0-d tensor in traced code). `record`, given on a step that records a refresh, is called
     with (dy, x) as 2-D tensors when the output's gradient arrives.
     """
-    x2 = x.reshape(-1, x.shape[-1])
     if weight is None and not isinstance(alpha, torch.Tensor):
-        dtype = (p if p is not None else q if q is not None else x2).dtype
-        if p is None and q is None and torch.is_autocast_enabled(x2.device.type):
-            dtype = torch.get_autocast_dtype(x2.device.type)
-        y = DequantizedBaseLinear.apply(x2, factor, bias, read_weight, p, q, alpha, scale, dtype)
+        dtype = (p if p is not None else q if q is not None else x).dtype
+        if p is None and q is None and torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        y = DequantizedBaseLinear.apply(x, factor, bias, read_weight, p, q, alpha, scale, dtype)
         if record is not None and y.requires_grad:
-            y.register_hook(lambda dy: record(dy, x2))
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+            y.register_hook(lambda dy: record(dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])))
+        return y
+    x2 = x.reshape(-1, x.shape[-1])
     h = x2 if q is None else x2 @ q
     # scale is 1 where the layer folded it into a stored basis (every layer with one): no multiply at all.
     scaled = factor.mT if scale == 1.0 else (factor * scale).mT

@@ -196,7 +196,7 @@ class StoredTensor:
         if per % block or (per * bits) % 8:
             return self.value(dtype)[index]
         buffers: dict[str, Any] = self.module._buffers
-        if reader.fast(buffers):
+        if reader.direct(buffers[reader.codes]):
             return reader.read_rows(buffers, index, dtype)
         codes, scales = buffers[reader.codes], buffers[reader.scales]
         codes_per = codes.numel() // reader.shape[0]
@@ -231,7 +231,9 @@ class _Reader:
     (``module.to()``, an engine) or written in place (``load_state_dict``, a refresh), as its version
     counter shows. Traced code, Triton and other layouts go through :func:`dequantize_stored`."""
 
-    __slots__ = ("codes", "scales", "zero_points", "kwargs", "shape", "whole", "_source", "_version", "_multiplier")
+    __slots__ = (
+        "codes", "scales", "zero_points", "kwargs", "shape", "whole", "_layout", "_source", "_version", "_multiplier",
+    )  # fmt: skip
 
     def __init__(self, name: str, meta: dict[str, Any], has_zero_points: bool) -> None:
         self.codes, self.scales = f"{name}_codes", f"{name}_scales"
@@ -242,6 +244,7 @@ class _Reader:
             numel *= size
         self.kwargs = dict(scheme=meta["scheme"], bits=meta["bits"], block_size=meta["block_size"], numel=numel)
         self.whole = not has_zero_points and whole_blocks(**self.kwargs)
+        self._layout = dict(scheme=meta["scheme"], bits=meta["bits"], block_size=meta["block_size"])
         # Kept between reads: the per-block multiplier as a column (blocks x 1), for the scales tensor it was
         # made from (by identity and version counter).
         self._source: Optional[torch.Tensor] = None
@@ -249,29 +252,37 @@ class _Reader:
         self._multiplier: Optional[torch.Tensor] = None
 
     def read(self, buffers: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+        # Every forward and backward of a layer comes here: the direct decode is one call with the kept
+        # multiplier (a hit is tested inline; a miss, or an inference-mode scales tensor, goes through
+        # _multiplier_of).
         codes: torch.Tensor = buffers[self.codes]
         scales: torch.Tensor = buffers[self.scales]
-        if not self.fast(buffers):
+        if not self.direct(codes):
             zero_points = None if self.zero_points is None else buffers[self.zero_points]
             return dequantize_stored(codes, scales, zero_points, dtype=dtype, **self.kwargs).view(self.shape)
-        return self._decode(codes, self._multiplier_of(scales), dtype).view(self.shape)
+        multiplier = self._multiplier
+        if multiplier is None or self._source is not scales or self._version != scales._version:
+            multiplier = self._multiplier_of(scales)
+        return dequantize_whole_blocks(codes, multiplier, dtype=dtype, shape=self.shape, **self._layout)
 
-    def fast(self, buffers: dict[str, Any]) -> bool:
-        """Whether :meth:`read` and :meth:`read_rows` decode directly (eager, plain tensors, whole blocks)."""
-        codes = buffers[self.codes]
+    def direct(self, codes: torch.Tensor) -> bool:
+        """Whether :meth:`read` and :meth:`read_rows` decode `codes` directly (eager, plain tensors, whole blocks)."""
         # `type(...) is torch.Tensor` rules out fake and other subclass tensors without a call.
         return (
             self.whole and type(codes) is torch.Tensor and not torch.compiler.is_compiling() and not use_triton(codes)
         )
 
     def read_rows(self, buffers: dict[str, Any], index: int, dtype: torch.dtype) -> torch.Tensor:
-        """Slice `index` along the first dimension, decoded directly (call only where :meth:`fast` holds and a
+        """Slice `index` along the first dimension, decoded directly (call only where :meth:`direct` holds and a
         slice is a whole number of blocks and bytes): that slice's codes times its rows of the kept multiplier."""
         codes: torch.Tensor = buffers[self.codes]
         rows = self.shape[0]
         per_codes, per_blocks = codes.numel() // rows, self.kwargs["numel"] // rows // self.kwargs["block_size"]
         multiplier = self._multiplier_of(buffers[self.scales])[index * per_blocks : (index + 1) * per_blocks]
-        return self._decode(codes[index * per_codes : (index + 1) * per_codes], multiplier, dtype).view(self.shape[1:])
+        return dequantize_whole_blocks(
+            codes[index * per_codes : (index + 1) * per_codes], multiplier, dtype=dtype, shape=self.shape[1:],
+            **self._layout,
+        )  # fmt: skip
 
     def _multiplier_of(self, scales: torch.Tensor) -> torch.Tensor:
         kwargs = self.kwargs
@@ -282,17 +293,6 @@ class _Reader:
             multiplier = block_multiplier(scales, scheme=kwargs["scheme"], bits=kwargs["bits"])[:, None]
             self._multiplier, self._source, self._version = multiplier, scales, scales._version
         return multiplier
-
-    def _decode(self, codes: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        kwargs = self.kwargs
-        return dequantize_whole_blocks(
-            codes,
-            multiplier,
-            scheme=kwargs["scheme"],
-            bits=kwargs["bits"],
-            block_size=kwargs["block_size"],
-            dtype=dtype,
-        )
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

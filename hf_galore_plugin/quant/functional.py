@@ -35,6 +35,7 @@ Non-finite input: a block holding a NaN or +-Inf gets a NaN scale and dequantize
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -253,36 +254,42 @@ def block_multiplier(scales: torch.Tensor, *, scheme: str, bits: int) -> torch.T
 
 
 def dequantize_whole_blocks(
-    codes: torch.Tensor, multiplier: torch.Tensor, *, scheme: str, bits: int, block_size: int, dtype: torch.dtype
+    codes: torch.Tensor,
+    multiplier: torch.Tensor,
+    *,
+    scheme: str,
+    bits: int,
+    block_size: int,
+    dtype: torch.dtype,
+    shape: Sequence[int] = (-1,),
 ) -> torch.Tensor:
-    """The values of `codes` (see :func:`whole_blocks`) in `dtype`, flat, equal to the general path's.
-    `multiplier` is :func:`block_multiplier`'s as a column (blocks x 1), the form a reader keeps.
+    """The values of `codes` (see :func:`whole_blocks`) in `dtype`, viewed as `shape` (default flat), equal to
+    the general path's. `multiplier` is :func:`block_multiplier`'s as a column (blocks x 1), the form a reader
+    keeps.
 
-    Two passes: int8 codes times the fp32 multiplier promote to fp32 inside the multiply, whose result is
-    rounded once into `dtype` as it is stored (as ``.to(dtype)`` of the fp32 product would); a 4-bit
-    byte looks up its two values (low nibble first) in a 256 x 2 table first."""
+    A layer reads its W0 in every forward and backward and its basis in every forward, so this is the fewest
+    passes the layout allows: an int8 block times the fp32 multiplier promotes to fp32 inside the multiply,
+    whose result is rounded once into `dtype` as it is stored (as ``.to(dtype)`` of the fp32 product would);
+    a 4-bit byte first looks up its two values (low nibble first) in a 256 x 2 table, and an fp32 result is
+    then scaled in place in that fresh lookup."""
     if bits == 8:
         blocks = codes.view(-1, block_size)
     else:
         blocks = torch.index_select(_byte_table(scheme, codes.device), 0, codes.long()).view(-1, block_size)
-    return scale_blocks(blocks, multiplier, dtype).view(-1)
+    if dtype != torch.float32:
+        out = torch.empty(blocks.shape, dtype=dtype, device=blocks.device)
+        return torch.mul(blocks, multiplier, out=out).view(shape)
+    if blocks.dtype == torch.float32:
+        return blocks.mul_(multiplier).view(shape)
+    if blocks.device.type == "cpu" and blocks.numel() >= _TWO_PASS_NUMEL:
+        return blocks.to(torch.float32).mul_(multiplier).view(shape)
+    return (blocks * multiplier).view(shape)
 
 
 # From this many values on, an int8 block is converted to fp32 and then scaled in place (two vectorized
 # passes) rather than promoted inside one multiply, whose mixed-dtype loop is not vectorized on the CPU:
 # 1.7x faster at 2.8M values, equal below ~16K values (measured, one thread; BENCHMARKS.md "Step time").
 _TWO_PASS_NUMEL = 1 << 16
-
-
-def scale_blocks(blocks: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`blocks` (blocks x block_size, int8 codes or fp32 values) times `multiplier` (blocks x 1, fp32), in
-    `dtype`: the fp32 product rounded once into `dtype`, as ``.to(dtype)`` of it would."""
-    if dtype == torch.float32:
-        if blocks.dtype != torch.float32 and blocks.device.type == "cpu" and blocks.numel() >= _TWO_PASS_NUMEL:
-            return blocks.to(torch.float32).mul_(multiplier)
-        return blocks * multiplier
-    out = torch.empty(blocks.shape, dtype=dtype, device=blocks.device)
-    return torch.mul(blocks, multiplier, out=out)
 
 
 def dequantize_blockwise_torch(
