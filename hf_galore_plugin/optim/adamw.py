@@ -408,7 +408,12 @@ class AdamW(torch.optim.Optimizer):
                 grad = param.grad
                 if grad is None:
                     continue
-                local, grad = local_shard(param), local_shard(grad)
+                # A DTensor (FSDP2) steps its local shard, with the shards of its state; any other tensor
+                # as it is (tested once per parameter: this loop is the step's per-parameter host work).
+                sharded = is_dtensor(param)
+                local = param.to_local() if sharded else param
+                if sharded:
+                    grad = local_shard(grad)
                 if grad.is_sparse or torch.is_complex(local):
                     raise RuntimeError("hf_galore_plugin AdamW supports dense real tensors only.")
                 # Empty shards (FSDP1 / FSDP2 ranks past the last row) still get state and a step
@@ -423,7 +428,9 @@ class AdamW(torch.optim.Optimizer):
                     streamed.setdefault(local.device, []).extend(chunks)
                     continue
                 if "exp_avg" in state:
-                    exp_avg, exp_avg_sq = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
+                    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                    if sharded:
+                        exp_avg, exp_avg_sq = local_shard(exp_avg), local_shard(exp_avg_sq)
                     if fused_enabled and _fusable(local, grad, exp_avg, exp_avg_sq):
                         batch = fused.get(local.device) or fused.setdefault(local.device, _FusedBatch())
                         batch.add((local, grad, exp_avg, exp_avg_sq), state["step"], step)
@@ -436,7 +443,7 @@ class AdamW(torch.optim.Optimizer):
                 )
                 params.append(local)
                 grads.append(grad)
-                states.append(state if local is param else {k: local_shard(v) for k, v in state.items()})
+                states.append({k: local_shard(v) for k, v in state.items()} if sharded else state)
                 steps.append(step)
             if advanced:
                 self._advance_steps(advanced)
