@@ -45,6 +45,7 @@ OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 # The least an eager layer of each kind can do per step (benchmarks/_floor.py): how far each preset is from it.
 FLOORS = ("floor_lowrank", "floor_quantized")
 METHODS = ("adamw_fused", "galore_torch", *OURS, *FLOORS)
+PHASES = ("forward", "backward", "optimizer", "after_step")
 # The tiny Llama of the overhead table: 4 decoder layers of 7 linear maps each.
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=512)  # fmt: skip
@@ -153,12 +154,19 @@ class Runner:
             self.step(tokens)
         raise RuntimeError(f"{self.method}: layers not calibrated after 1000 steps")
 
-    def step(self, tokens: torch.Tensor) -> None:
+    def step(self, tokens: torch.Tensor) -> tuple[float, ...]:
+        """One training step; returns the thread CPU time of its phases (forward, backward, optimizer step,
+        after_step and zero_grad)."""
+        t0 = time.thread_time()
         loss = self.forward(input_ids=tokens, labels=tokens).loss
+        t1 = time.thread_time()
         loss.backward()
+        t2 = time.thread_time()
         self.optimizer.step()
+        t3 = time.thread_time()
         self.after()
         self.optimizer.zero_grad(set_to_none=True)
+        return t1 - t0, t2 - t1, t3 - t2, time.thread_time() - t3
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,11 +204,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         graphs = dynamo_counters["stats"]["unique_graphs"]
     times: dict[str, list[float]] = {r.method: [] for r in runners}
     wall: dict[str, list[float]] = {r.method: [] for r in runners}
+    phases: dict[str, list[tuple[float, ...]]] = {r.method: [] for r in runners}
     for round_ in range(args.rounds):
         shift = round_ % len(runners)
         for runner in runners[shift:] + runners[:shift]:
             t0, w0 = time.thread_time(), time.perf_counter()
-            runner.step(tokens)
+            phases[runner.method].append(runner.step(tokens))
             times[runner.method].append(time.thread_time() - t0)
             wall[runner.method].append(time.perf_counter() - w0)
     recompiled = None if graphs is None else dynamo_counters["stats"]["unique_graphs"] - graphs
@@ -212,6 +221,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         rows[runner.method] = {
             "cpu_ms": 1e3 * statistics.median(times[runner.method]),
             "wall_ms": 1e3 * statistics.median(wall[runner.method]),
+            # median of each phase over the rounds (they need not add up to the step's median)
+            "phases_ms": dict(zip(PHASES, (1e3 * statistics.median(c) for c in zip(*phases[runner.method])))),
             "ops": mode.work,
             "syncs": mode.syncs,
             "galore_layers": runner.galore_layers,
@@ -255,6 +266,15 @@ def report(result: dict[str, Any]) -> str:
             f"| `{method}` | {row['cpu_ms']:.1f} | {row['vs_base_cpu']:.2f}x | {row['vs_base_wall']:.2f}x | "
             f"{row['ops']} | {extra} | {row['syncs']} |"
         )
+    lines += [
+        "",
+        "CPU ms of the thread by phase (median over the rounds; after_step includes zero_grad):",
+        "",
+        "| method | " + " | ".join(PHASES) + " |",
+        "|---|" + "---:|" * len(PHASES),
+    ]
+    for method, row in result["rows"].items():
+        lines.append(f"| `{method}` | " + " | ".join(f"{row['phases_ms'][p]:.2f}" for p in PHASES) + " |")
     return "\n".join(lines)
 
 

@@ -337,6 +337,11 @@ def test_step_overhead_counts_ops_and_times_every_method(tmp_path, compiled):
         # tests/test_step_cost.py holds the bounds; here: the extra ops are the layers' own work
         assert 0 < row["extra_ops_per_layer"] <= 10, (method, row["extra_ops_per_layer"])
         assert _finite(row["cpu_ms"], row["vs_base_cpu"]) and row["cpu_ms"] > 0, method
+        # the phases are parts of the step: each positive (forward, backward and the optimizer do work)
+        phases = row["phases_ms"]
+        assert list(phases) == ["forward", "backward", "optimizer", "after_step"], method
+        assert all(phases[p] > 0 for p in ("forward", "backward", "optimizer")), (method, phases)
+        assert sum(phases.values()) <= 1.5 * row["cpu_ms"] + 1.0, (method, phases, row["cpu_ms"])
     assert result["compile"] is compiled
     if compiled:
         # every model compiled before the timed rounds, none while they ran (a recompile would time the compiler)
