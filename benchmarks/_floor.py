@@ -60,8 +60,8 @@ class FloorLinear(torch.nn.Module):
         self.shape = tuple(weight.shape)
         out_features, in_features = self.shape
         q, _ = torch.linalg.qr(torch.randn(in_features, rank, generator=torch.Generator().manual_seed(0)))
-        q = q * scale
-        self.b = torch.nn.Parameter(torch.zeros(out_features, rank))
+        q = (q * scale).to(weight.device)
+        self.b = torch.nn.Parameter(torch.zeros(out_features, rank, device=weight.device))
         self.quantized = quantized
         if not quantized:
             self.register_buffer("w0", weight)
@@ -73,7 +73,7 @@ class FloorLinear(torch.nn.Module):
         codes, scales, _ = quantize_blockwise(q, scheme="symmetric", bits=4, block_size=BASIS_BLOCK)
         self.register_buffer("q_codes", codes)
         self.register_buffer("q_multiplier", functional.block_multiplier(scales, scheme="symmetric", bits=4)[:, None])
-        self.register_buffer("byte_table", functional._byte_table("symmetric", torch.device("cpu")).clone())
+        self.register_buffer("byte_table", functional._byte_table("symmetric", weight.device).clone())
         self.q_shape = (in_features, rank)
 
     def read_weight(self) -> torch.Tensor:

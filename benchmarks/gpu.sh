@@ -8,7 +8,9 @@
 #      for torch's fused and foreach AdamW, bitsandbytes and torchao AdamW8bit, galore-torch (each if
 #      importable) and our three presets, each method in its own process so peaks do not mix,
 #   4. offloaded optimizer state (state_offload="cpu"): the CUDA path's bit-identity test (pinned host
-#      state, side-stream copies) and step time with and without offload, fp32 and 8-bit state.
+#      state, side-stream copies) and step time with and without offload, fp32 and 8-bit state,
+#   5. host work per training step on the GPU (benchmarks/step_overhead.py --device cuda: the tiny Llama's
+#      thread CPU time, ops and syncs per step for every method and the two eager-floor rows).
 # Usage: bash benchmarks/gpu.sh [OUT_DIR]       (default outputs/gpu)
 # Writes OUT_DIR/gpu.md (all tables, with date and device, to copy into BENCHMARKS.md) and gpu.log.
 # Without CUDA it runs nothing and exits with status 2 and a message saying why.
@@ -60,6 +62,7 @@ done
 "$PYTHON" benchmarks/gpu_step.py table --out "$OUT" >> "$LOG" 2>&1
 run "offloaded state: CUDA bit-identity" 90 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_state_offload.py -k cuda
 run "offloaded state: fp32 step time" 60 "$PYTHON" benchmarks/offload.py --device cuda --hidden 2048 --vocab 128256 --dtype bf16 --steps 10 --json "$OUT/offload_fp32.json"
+run "host work per step (tiny Llama on the GPU)" 120 bash -c "'$PYTHON' benchmarks/step_overhead.py --device cuda --rounds 40 --out '$OUT/step_overhead.json' > '$OUT/step_overhead.md'"
 run "offloaded state: 8-bit step time" 60 "$PYTHON" benchmarks/offload.py --device cuda --hidden 2048 --vocab 128256 --dtype bf16 --state-bits 8 --error-feedback --steps 10 --json "$OUT/offload_8bit.json"
 
 {
@@ -83,6 +86,10 @@ run "offloaded state: 8-bit step time" 60 "$PYTHON" benchmarks/offload.py --devi
   echo "### 1.1B Llama step (bf16, batch 4 x 512)"
   echo
   cat "$OUT/step.md" 2>/dev/null || echo "(not measured: see gpu.log)"
+  echo
+  echo "### Host work per step (benchmarks/step_overhead.py --device cuda --rounds 40)"
+  echo
+  grep -v -E "Warning|warn" "$OUT/step_overhead.md" 2>/dev/null || echo "(not measured: see gpu.log)"
   echo
   echo "### Offloaded optimizer state (benchmarks/offload.py, 128256 x 2048 embedding and head, bf16)"
   echo

@@ -4,6 +4,7 @@
     python benchmarks/step_overhead.py --quick    # fewer rounds (CI smoke run)
     python benchmarks/step_overhead.py --size h1024 --rank 256 --batch 4 --seq-len 256 --threads 2
     python benchmarks/step_overhead.py --compile  # every model through torch.compile (the step stays eager)
+    python benchmarks/step_overhead.py --device cuda   # on a GPU: CPU time = the host work the GPU waits for
 
 At small shapes a step is dominated by per-op, per-layer host work (Python, the dispatcher, kernel
 launches); on a GPU that host work is what the device waits for. Three measures that do not move with
@@ -101,11 +102,11 @@ class Runner:
     """One model, its optimizer and one full training step (forward, backward, optimizer step, after_step
     for ours, zero_grad)."""
 
-    def __init__(self, method: str, size: dict[str, int], rank: int) -> None:
+    def __init__(self, method: str, size: dict[str, int], rank: int, device: str = "cpu") -> None:
         import hf_galore_plugin as hgp
 
         self.method = method
-        self.model = build_model(size)
+        self.model = build_model(size).to(device)
         self.after: Callable[[], None] = lambda: None
         params = list(self.model.parameters())
         if method == "adamw_fused":
@@ -177,10 +178,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     num_key_value_heads=16, vocab_size=30000)  # fmt: skip
     if args.vocab:
         size["vocab_size"] = args.vocab
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("step_overhead.py --device cuda: no CUDA device is visible to torch; use --device cpu")
     tokens = torch.randint(
         0, size["vocab_size"], (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)
-    )
-    runners = [Runner(method, size, args.rank) for method in args.methods]
+    ).to(args.device)
+    # On a GPU the thread's CPU time is the host work of the step (the kernels run asynchronously; a step
+    # with no sync never waits for them); the wall time includes the device's work (synchronized after
+    # each step, outside the CPU-time window).
+    synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    runners = [Runner(method, size, args.rank, args.device) for method in args.methods]
     for runner in runners:  # calibration (the first basis of every layer) and warm-up
         for _ in range(3):
             runner.step(tokens)
@@ -208,9 +215,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for round_ in range(args.rounds):
         shift = round_ % len(runners)
         for runner in runners[shift:] + runners[:shift]:
+            synchronize()
             t0, w0 = time.thread_time(), time.perf_counter()
             phases[runner.method].append(runner.step(tokens))
             times[runner.method].append(time.thread_time() - t0)
+            synchronize()
             wall[runner.method].append(time.perf_counter() - w0)
     recompiled = None if graphs is None else dynamo_counters["stats"]["unique_graphs"] - graphs
     base = runners[0].method
@@ -237,6 +246,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         row["extra_ops_per_layer"] = (row["ops"] - linear_work) / layers if layers else None
     return {
         "size": size, "rank": args.rank, "batch": args.batch, "seq_len": args.seq_len, "threads": args.threads,
+        "device": args.device,
         "rounds": args.rounds, "baseline": base, "torch": torch.__version__, "rows": rows,
         "compile": args.compile, "graphs_compiled": graphs, "graphs_compiled_while_timed": recompiled,
     }  # fmt: skip
@@ -247,7 +257,8 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"hidden {size['hidden_size']}, {size['num_hidden_layers']} layers, vocab {size['vocab_size']}, rank "
         f"{result['rank']}, batch {result['batch']} x {result['seq_len']}, {result['threads']} thread(s), "
-        f"{result['rounds']} interleaved rounds, torch {result['torch']}; ratios to {result['baseline']}",
+        f"{result['rounds']} interleaved rounds, {result['device']}, torch {result['torch']}; ratios to "
+        f"{result['baseline']}",
     ]
     if result["compile"]:
         lines.append(
@@ -289,6 +300,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the models run; on cuda the CPU time is the host work of a step")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--compile", action="store_true",
                         help="time each model's step through torch.compile(model) (inductor), after calibration")  # fmt: skip
