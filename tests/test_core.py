@@ -106,6 +106,24 @@ def test_forward_and_gradients_match_dense_linear(proj_type, shape, weight_stora
     assert layer.weight is None or layer.weight.grad is None  # the W0 weight-gradient GEMM is skipped
 
 
+def test_quantized_layer_output_is_its_own_tensor_for_autograd():
+    """A quantized-W0 layer takes an input of shape (..., n) whole: its output comes from the layer's own autograd
+    node (no view nodes for the leading dimensions), and a caller may modify it in place, as an nn.Linear's."""
+    torch.manual_seed(0)
+    model = prepare_model(nn.Sequential(nn.Linear(16, 24)), GaLoreConfig(rank=4, weight_storage="int8"))
+    layer = model[0]
+    with torch.no_grad():
+        layer.galore_factor.normal_()
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    y = layer(x)
+    assert type(y.grad_fn).__name__ == "DequantizedBaseLinearBackward" and y.shape == (2, 3, 24)
+    y.mul_(2.0)
+    y.sum().backward()
+    flat = x.detach().reshape(6, 16).requires_grad_(True)
+    (layer(flat) * 2.0).sum().backward()
+    torch.testing.assert_close(x.grad.reshape(6, 16), flat.grad)
+
+
 @pytest.mark.parametrize("proj_type", ["std", "full"])
 def test_refresh_leaves_effective_weight_unchanged(proj_type):
     model = prepare_model(_single_linear(16, 24), GaLoreConfig(rank=4, proj_type=proj_type, update_proj_gap=2))
