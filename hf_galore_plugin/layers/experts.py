@@ -402,14 +402,16 @@ class GaLoreExpertStack(GaLoreLinear):
                 delta = delta @ q[expert].mT
             if p is not None:
                 delta = p[expert] @ delta
+            if self._branch_scale != 1.0:  # no stored basis carries the scale (identity sides)
+                delta = delta * self._branch_scale
             if weight is not None:
-                merged = weight[expert - start].to(torch.float32) * self._alpha + delta * self._branch_scale
+                merged = weight[expert - start].to(torch.float32) * self._alpha + delta
                 if weight.dtype == torch.bfloat16 and stochastic:
                     merged = stochastic_round_to_bf16(merged, self._next_generator(merged.device))
                 weight[expert - start].copy_(merged)
             else:
                 assert store is not None
-                merged = store.value_slice(expert, torch.float32) * self._alpha + delta * self._branch_scale
+                merged = store.value_slice(expert, torch.float32) * self._alpha + delta
                 generator = self._next_generator(merged.device) if stochastic else None
                 err, norm = store.store_slice(expert, merged, generator=generator)
                 error_sq, norm_sq = error_sq + err, norm_sq + norm
@@ -431,7 +433,8 @@ class GaLoreExpertStack(GaLoreLinear):
             delta = delta @ q[start:stop].mT
         if p is not None:
             delta = p[start:stop] @ delta
-        return delta * self._branch_scale
+        # A stored basis carries the scale (branch scale 1): no pass over the delta for it.
+        return delta if self._branch_scale == 1.0 else delta * self._branch_scale
 
     def state_nbytes(self) -> dict[str, int]:
         nbytes = super().state_nbytes()

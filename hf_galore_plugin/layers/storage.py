@@ -244,7 +244,7 @@ class _Reader:
             numel *= size
         self.kwargs = dict(scheme=meta["scheme"], bits=meta["bits"], block_size=meta["block_size"], numel=numel)
         self.whole = not has_zero_points and whole_blocks(**self.kwargs)
-        self._layout = dict(scheme=meta["scheme"], bits=meta["bits"], block_size=meta["block_size"])
+        self._layout = {key: value for key, value in self.kwargs.items() if key != "numel"}  # the decoder's
         # Kept between reads: the per-block multiplier as a column (blocks x 1), for the scales tensor it was
         # made from (by identity and version counter).
         self._source: Optional[torch.Tensor] = None
@@ -253,17 +253,15 @@ class _Reader:
 
     def read(self, buffers: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
         # Every forward and backward of a layer comes here: the direct decode is one call with the kept
-        # multiplier (a hit is tested inline; a miss, or an inference-mode scales tensor, goes through
-        # _multiplier_of).
+        # multiplier.
         codes: torch.Tensor = buffers[self.codes]
         scales: torch.Tensor = buffers[self.scales]
         if not self.direct(codes):
             zero_points = None if self.zero_points is None else buffers[self.zero_points]
             return dequantize_stored(codes, scales, zero_points, dtype=dtype, **self.kwargs).view(self.shape)
-        multiplier = self._multiplier
-        if multiplier is None or self._source is not scales or self._version != scales._version:
-            multiplier = self._multiplier_of(scales)
-        return dequantize_whole_blocks(codes, multiplier, dtype=dtype, shape=self.shape, **self._layout)
+        return dequantize_whole_blocks(
+            codes, self._multiplier_of(scales), dtype=dtype, shape=self.shape, **self._layout
+        )
 
     def direct(self, codes: torch.Tensor) -> bool:
         """Whether :meth:`read` and :meth:`read_rows` decode `codes` directly (eager, plain tensors, whole blocks)."""
