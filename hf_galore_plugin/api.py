@@ -87,34 +87,40 @@ def galore_param_groups(
     """Split every GaLore factor out of `param_groups` into groups tagged ``"galore": True``.
 
     The factor's true gradient is ``scale * R`` (R = the projected gradient GaLore's Adam sees), so
-    the group's eps is multiplied by ``scale``: Adam(scale * R, eps * scale) == Adam(R, eps) exactly,
-    and the weight moves by ``lr * scale * update`` as in GaLore. Each GaLore group also records the
+    the group's eps is multiplied by its layers' ``scale`` (one group per scale):
+    Adam(scale * R, eps * scale) == Adam(R, eps) exactly, and the weight moves by ``lr * scale * update`` as in GaLore. Each GaLore group also records the
     names of its layers (``"galore_layers"``), for engines that replace its parameters by flat
     partitions (DeepSpeed ZeRO).
     """
-    owners = {id(layer.galore_factor): name for name, layer in iter_galore_layers(model)}
+    layers = {id(layer.galore_factor): (name, layer) for name, layer in iter_galore_layers(model)}
     result = []
     for group in param_groups:
         params = list(group["params"])
-        plain = [p for p in params if id(p) not in owners]
-        lowrank = [p for p in params if id(p) in owners]
+        plain = [p for p in params if id(p) not in layers]
         if plain:
             result.append({**group, "params": plain})
-        if lowrank:
-            group_eps = group.get("eps", eps)
-            if group_eps > 0 and not group_eps * config.scale >= sys.float_info.min:
+        # One group per scale (scale='auto' gives layers of different shapes their own): the eps of a group
+        # is the eps of its layers' scale.
+        by_scale: dict[float, list[torch.nn.Parameter]] = {}
+        for p in params:
+            if id(p) in layers:
+                by_scale.setdefault(layers[id(p)][1].scale, []).append(p)
+        group_eps = group.get("eps", eps)
+        for scale, lowrank in by_scale.items():
+            if group_eps > 0 and not group_eps * scale >= sys.float_info.min:
                 raise ValueError(
                     f"GaLoreConfig.scale={config.scale!r} is too small: the GaLore groups' Adam eps is eps * scale "
-                    f"= {group_eps!r} * {config.scale!r}, which underflows to {group_eps * config.scale!r} in "
-                    "float64. Use a scale around 0.25 (the GaLore paper's; weights move at about lr * scale)."
+                    f"= {group_eps!r} * {scale!r}, which underflows to {group_eps * scale!r} in float64. Use "
+                    "scale='auto' (each layer's norm-matched scale) or a scale around 0.25 (the GaLore paper's; "
+                    "weights move at about lr * scale)."
                 )
             result.append(
                 {
                     **group,
                     "params": lowrank,
-                    "eps": group_eps * config.scale,
+                    "eps": group_eps * scale,
                     "galore": True,
-                    "galore_layers": [owners[id(p)] for p in lowrank],
+                    "galore_layers": [layers[id(p)][0] for p in lowrank],
                 }
             )
     return result

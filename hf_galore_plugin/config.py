@@ -11,9 +11,10 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 __all__ = [
+    "AUTO_SCALE",
     "GaLoreConfig",
     "PRESETS",
     "PROJ_TYPES",
@@ -39,6 +40,8 @@ _INT_LIMIT = 2**31
 # The layers' random streams are seeded with seed * ~2e12 + counters, which torch.Generator.manual_seed
 # takes only below 2**64: seeds up to 2**22 keep every derived seed in range.
 _SEED_LIMIT = 2**22
+# GaLoreConfig.scale's default: each layer's norm-matched scale (GaLoreConfig.layer_scale).
+AUTO_SCALE = "auto"
 # The GaLore paper's refresh: every layer records its dense gradient on the same steps and takes the
 # exact SVD. The defaults until the bounded refresh became the default (CHANGELOG, "Changed"); pass it
 # to reproduce the paper or runs made before (GaLoreConfig.preset(name, **PAPER_REFRESH)).
@@ -58,8 +61,13 @@ class GaLoreConfig:
         "Optimizer steps between basis refreshes (GaLore paper: 200). With lazy refresh this is the starting gap.",
         default=200,
     )
-    scale: float = _help(
-        "GaLore scale alpha: the low-rank update is multiplied by it (paper: 0.25). Must be > 0.", default=0.25
+    scale: Union[float, str] = _help(
+        "GaLore scale alpha: the low-rank update is multiplied by it. 'auto' (default): each layer's own "
+        "sqrt(projected side / rank) (sqrt(m n) / r for a two-sided basis; 1 where the rank covers the side), "
+        "which gives a rank-r update the Frobenius norm of a full-rank Adam update, so the learning rate means "
+        "what it means for AdamW: keep your AdamW rate. A float: every layer's scale (the GaLore paper's "
+        "pre-training recipe: scale=0.25 with lr 1e-2). Must be 'auto' or > 0.",
+        default=AUTO_SCALE,
     )
     proj_type: str = _help(
         "Which side is projected: 'std' (right basis Q when rows >= cols, else left basis P), 'reverse_std' "
@@ -243,6 +251,10 @@ class GaLoreConfig:
         # weight into inf/NaN while the loss may still log as a number.
         for name in ("scale", "cos_threshold", "lr_scale", "lr_recovery_fraction"):
             value = getattr(self, name)
+            if name == "scale" and isinstance(value, str):
+                if value != AUTO_SCALE:
+                    raise bad("scale", f"use {AUTO_SCALE!r} (each layer's norm-matched scale) or a positive float")
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"GaLoreConfig.{name} must be a float, got {type(value).__name__} {value!r}")
             if not math.isfinite(value):
@@ -251,8 +263,8 @@ class GaLoreConfig:
             raise bad("rank", "use a positive rank, e.g. rank=128")
         if self.update_proj_gap < 1:
             raise bad("update_proj_gap", "use a positive number of steps, e.g. update_proj_gap=200")
-        if not self.scale > 0:
-            raise bad("scale", "use a positive float, e.g. scale=0.25")
+        if not isinstance(self.scale, str) and not self.scale > 0:
+            raise bad("scale", f"use a positive float, e.g. scale=0.25, or scale={AUTO_SCALE!r}")
         for name, allowed in (
             ("proj_type", PROJ_TYPES),
             ("basis_method", BASIS_METHODS),
@@ -342,6 +354,24 @@ class GaLoreConfig:
         if self.basis_group_size is not None:
             return self.basis_group_size
         return 64 if self.basis_storage == "int4" else 256
+
+    def layer_scale(self, projected: Iterable[tuple[int, int]]) -> float:
+        """The GaLore scale of a layer whose bases project sides of dimension d to rank r, one (d, r) per
+        side with a basis (a side without one, or whose basis is the identity, is left out).
+
+        ``scale='auto'``: Adam's update has entries of size about 1, so a full-rank update of an m x n
+        matrix has Frobenius norm about sqrt(m n) and a rank-r one about sqrt(m r) (the basis is
+        orthonormal); the scale sqrt(n / r) makes them equal, and one learning rate fits every layer shape
+        and rank (APOLLO, arXiv 2412.05270, scales its update by sqrt(n / r) for the same reason). The
+        product over sides gives sqrt(m n) / r for a two-sided basis, and 1 with no projected side, where
+        the update is exactly Adam's. A float: that float for every layer.
+        """
+        if not isinstance(self.scale, str):
+            return float(self.scale)
+        ratio = 1.0
+        for dim, rank in projected:
+            ratio *= dim / rank
+        return math.sqrt(ratio)
 
     def replace(self, **overrides: Any) -> "GaLoreConfig":
         """A copy with some fields changed (validated)."""

@@ -201,9 +201,13 @@ class GaLoreLinear(nn.Module):
         # another one (a state dict without the record holds the plain basis: multiplier 1). Without a stored
         # basis (identity sides) the branch multiplies B.
         self._folded_side: Optional[str] = next((s for s in ("right", "left") if self._bases[s] is not None), None)
-        self._branch_scale = 1.0 if self._folded_side is not None else config.scale
+        # This layer's GaLore scale (GaLoreConfig.layer_scale: under 'auto' from the sides its bases project).
+        self.scale = config.layer_scale(
+            (dim, rank) for side, rank, _, dim in sides if rank is not None and self._bases[side] is not None
+        )
+        self._branch_scale = 1.0 if self._folded_side is not None else self.scale
         if self._folded_side is not None:
-            self.register_buffer("galore_folded_scale", torch.tensor(config.scale, dtype=torch.float32, device=device))
+            self.register_buffer("galore_folded_scale", torch.tensor(self.scale, dtype=torch.float32, device=device))
         for side, rank, _, dim in sides:
             if rank is not None and self._bases[side] is not None:
                 self._set_basis(side, torch.zeros(self._basis_shape(dim, rank), device=device, dtype=torch.float32))
@@ -290,7 +294,7 @@ class GaLoreLinear(nn.Module):
                 shape = self._basis_shape(dim, rank)
                 self._set_basis(side, torch.zeros(shape, device=self.galore_factor.device, dtype=torch.float32))
         if self._folded_side is not None:
-            self.galore_folded_scale.fill_(self.config.scale)
+            self.galore_folded_scale.fill_(self.scale)
         self._reset_base()
         self._set_counter("galore_step", 0)
         self._set_counter("galore_last_refresh", -1)
@@ -452,7 +456,7 @@ class GaLoreLinear(nn.Module):
         store = self._bases.get(side)
         if store is None:
             raise ValueError(f"GaLoreLinear has no computed basis on side {side!r} (sides: {self._basis_sides()})")
-        store.store(basis * self.config.scale if side == self._folded_side else basis)
+        store.store(basis * self.scale if side == self._folded_side else basis)
 
     def basis(self, side: str, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
         """The basis of `side` ('left' P: m x r, 'right' Q: n x r), orthonormal (the stored values divided by the
@@ -466,7 +470,7 @@ class GaLoreLinear(nn.Module):
         if side != self._folded_side:
             return store.value(dtype)
         # Divided in fp32 (a refresh or merge, not the step): one rounding into `dtype`.
-        return (store.value(torch.float32) / self.config.scale).to(dtype)
+        return (store.value(torch.float32) / self.scale).to(dtype)
 
     def _step_bases(self, dtype: torch.dtype) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(P, Q) in `dtype` as the step multiplies with them: the folded side's stored values carry the scale,
@@ -477,13 +481,13 @@ class GaLoreLinear(nn.Module):
     @torch.no_grad()
     def _convert_folded_basis(self, carried: float) -> None:
         """The stored basis carries the multiplier `carried` (what a loaded state dict recorded): make it carry
-        ``config.scale``. Exact when the ratio is a power of two (plain: one multiply; quantized: the same
+        this layer's ``scale``. Exact when the ratio is a power of two (plain: one multiply; quantized: the same
         codes, block scales times the ratio)."""
         side = self._folded_side
         assert side is not None
         store = self._bases[side]
         assert store is not None
-        scale = self.config.scale
+        scale = self.scale
         if carried != scale:
             if not store.quantized:
                 buffer = self._buffers[store.name]
@@ -788,10 +792,10 @@ class GaLoreLinear(nn.Module):
         if not (0.0 < carried < float("inf")):
             raise ValueError(
                 f"{key} = {carried!r} in the loaded state: the multiplier a stored basis carries is the positive "
-                "GaLoreConfig.scale it was saved with; this state dict is damaged"
+                "GaLore scale of the layer it was saved from; this state dict is damaged"
             )
-        if recorded is not None and carried == float(torch.tensor(self.config.scale, dtype=recorded.dtype)):
-            carried = self.config.scale  # this layer's scale as the buffer's dtype holds it: nothing to convert
+        if recorded is not None and carried == float(torch.tensor(self.scale, dtype=recorded.dtype)):
+            carried = self.scale  # this layer's scale as the buffer's dtype holds it: nothing to convert
         self._convert_folded_basis(carried)
 
 
