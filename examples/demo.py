@@ -11,10 +11,10 @@ Every method trains with ``transformers.Trainer``: the plugin's optimizers are p
 ``import hf_galore_plugin``, which attaches its GaLoreCallback automatically. All runs share the seed,
 so they start from the same weights and see the batches in the same order.
 
-AdamW runs twice: ``adamw_torch`` trains every parameter at one rate; ``adamw_galore_rates`` is the same
-torch AdamW with a GaLore run's two groups (the projected layers at lr x scale, the rest at lr), so a GaLore
-preset's lead over it is not the per-group rates (most of GaLore's lead over one rate in BENCHMARKS.md).
-The table and the reading compare every method with the better of the two.
+Every method trains at one learning rate, the user's: AdamW's best rate on this model (``--lr``), with
+every other setting at its default. That is the drop-in promise: change ``optim`` and nothing else. GaLore's
+default ``scale='auto'`` gives each projected layer the scale that makes its update as large as AdamW's, so
+the rate means for it what it means for AdamW. The table and the reading compare every method with AdamW.
 
 The console shows one progress bar per method (the latest training loss in it), then the results table
 and a paragraph reading it: which method reached the lowest held-out loss, by how much, at what memory,
@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -89,34 +89,21 @@ TRAIN_TEXT = REPO / "data" / "shakespeare.txt"
 HELDOUT_TEXT = REPO / "data" / "shakespeare_heldout.txt"
 
 GALORE_METHODS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
-ADAMW_BASELINES = ("adamw_torch", "adamw_galore_rates")
+ADAMW_BASELINES = ("adamw_torch",)
 ALL_METHODS = (*ADAMW_BASELINES, *GALORE_METHODS, "lora")
 
-# Peak learning rate per method (linear warmup over 10% of the steps, cosine decay after it): each
-# method's best rate in the quality grid (BENCHMARKS.md "Quality", benchmarks/quality.py size tiny: the
-# same text, a Llama of the same family, every method swept over the same x3 steps and bracketed).
-# - adamw_torch: 3e-3 (grid: 1e-3 -> 4.818, 3e-3 -> 4.675, 1e-2 -> 5.013 held-out loss at seed 0).
-# - adamw_galore_rates: 1e-2 / 3, the projected layers at a quarter of it (grid, BENCHMARKS.md "Fair
-#   baseline": 1e-3 -> 4.893, 3.3e-3 -> 4.360, 1e-2 -> 4.401, 3e-2 -> 4.654).
-# - GaLore family: 3e-2 with scale 0.25 (grid: 1e-2 -> 4.20, 3e-2 -> 4.17-4.19, 1e-1 -> 4.41-4.44); the
-#   low-rank update is multiplied by the scale, so the projected weights move at about lr * scale per
-#   unit of normalised update. The plugin multiplies the GaLore groups' lr by lr_scale (0.85) itself.
-# - lora: 3e-3 on the adapters (rank 8, alpha 16) and on the fully trained embeddings, head and norms
-#   (grid: 1e-3 -> 5.020, 3e-3 -> 4.426, 1e-2 -> 5.664).
-LEARNING_RATES = {
-    "adamw_torch": 3e-3,
-    "adamw_galore_rates": 1e-2 / 3,
-    "galore_adamw": 3e-2,
-    "galore_adamw_8bit": 3e-2,
-    "qgalore_adamw_8bit": 3e-2,
-    "lora": 3e-3,
-}
-LEARNING_RATE_SOURCE = "each method's best rate in the quality grid (BENCHMARKS.md, Quality)"
-GALORE_SCALE = 0.25
+# The one peak learning rate of every method (linear warmup over 10% of the steps, cosine decay after it):
+# adamw_torch's best rate in the quality grid (BENCHMARKS.md "Quality", benchmarks/quality.py size tiny: the
+# same text, a Llama of the same family; grid 1e-3 -> 4.818, 3e-3 -> 4.675, 1e-2 -> 5.013 held-out loss at
+# seed 0). A user switching from AdamW keeps it: the GaLore presets scale each projected layer's update to
+# AdamW's norm (scale='auto') and apply their lr_scale (0.85) to the projected groups themselves; LoRA
+# (rank 8, alpha 16) trains its adapters and the embeddings, head and norms at it (its own best rate in the
+# grid too: 1e-3 -> 5.020, 3e-3 -> 4.426, 1e-2 -> 5.664).
+USER_LEARNING_RATE = 3e-3
+LEARNING_RATE_SOURCE = "AdamW's best rate in the quality grid (BENCHMARKS.md, Quality), the same for every method"
 LORA_RANK, LORA_ALPHA = 8, 16
-# The linear layers of every decoder block: where LoRA puts its adapters, and the weights GaLore projects
-# (its default targets on this model, every nn.Linear but the output head), which adamw_galore_rates
-# trains at lr x GALORE_SCALE.
+# The linear layers of every decoder block: where LoRA puts its adapters (GaLore's default targets on this
+# model are the same layers: every nn.Linear but the output head).
 BLOCK_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -231,32 +218,6 @@ def wrap_lora(model):
         if "norm" in name:
             param.requires_grad_(True)
     return model
-
-
-def galore_rate_groups(
-    model: torch.nn.Module, projected_layers: Iterable[str], *, lr: float, scale: float
-) -> list[dict[str, Any]]:
-    """Plain AdamW's parameter groups at the learning rates a GaLore run gives each parameter: the weights
-    of `projected_layers` (module names) at lr * scale (a GaLore weight moves by lr * scale per unit of
-    normalised update), everything else (embeddings, norms, head) at lr. It separates GaLore's effect from
-    its per-group rates; benchmarks/quality.py trains it as adamw_galore_rates too."""
-    names = {f"{layer}.weight" for layer in projected_layers}
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    missing = sorted(names - {n for n, _ in named})
-    if missing:
-        raise ValueError(f"projected_layers names no trainable weight {missing[:4]}; pass nn.Linear module names")
-    return [
-        {"params": [p for n, p in named if n not in names], "lr": lr, "weight_decay": 0.0},
-        {"params": [p for n, p in named if n in names], "lr": lr * scale, "weight_decay": 0.0},
-    ]
-
-
-def block_linear_names(model: torch.nn.Module) -> list[str]:
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in BLOCK_LINEARS
-    ]
 
 
 # ---------------------------------------------------------------------- measurement
@@ -418,13 +379,10 @@ def train_one(method: str, scale: Scale, data: dict[str, Any], args: argparse.Na
     rank = max(1, scale.hidden // 4)
     gap = max(1, scale.steps // 5)
     if method in GALORE_METHODS:
-        optim_args = setting = f"rank={rank},update_proj_gap={gap},scale={GALORE_SCALE}"
+        optim_args = setting = f"rank={rank},update_proj_gap={gap}"
     elif method == "lora":
         optim = "adamw_torch"
         model = wrap_lora(model)
-    elif method == "adamw_galore_rates":
-        optim = "adamw_torch"
-        setting = f"{'/'.join(BLOCK_LINEARS)} at lr x {GALORE_SCALE}, the rest at lr"
     elif method != "adamw_torch":
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(ALL_METHODS)}")
     training_args = TrainingArguments(
@@ -432,7 +390,7 @@ def train_one(method: str, scale: Scale, data: dict[str, Any], args: argparse.Na
         max_steps=scale.steps,
         per_device_train_batch_size=scale.batch_size,
         per_device_eval_batch_size=scale.batch_size,
-        learning_rate=LEARNING_RATES[method],
+        learning_rate=args.lr,
         lr_scheduler_type="cosine",
         warmup_steps=scale.steps // 10,
         weight_decay=0.0,
@@ -447,24 +405,17 @@ def train_one(method: str, scale: Scale, data: dict[str, Any], args: argparse.Na
         use_cpu=args.device.type == "cpu",
         disable_tqdm=False,
     )
-    optimizer = None
-    if method == "adamw_galore_rates":
-        # adamw_torch's optimizer class and arguments, with GaLore's two groups instead of one
-        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args, model)
-        groups = galore_rate_groups(model, block_linear_names(model), lr=LEARNING_RATES[method], scale=GALORE_SCALE)
-        optimizer = optimizer_cls(groups, **optimizer_kwargs)
     probe = make_probe()
     trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=data["train"],
         callbacks=[probe],
-        optimizers=(optimizer, None),
     )
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(make_progress(method))
     print(
-        f"{method}: lr {LEARNING_RATES[method]:.3g} ({LEARNING_RATE_SOURCE})" + (f", {setting}" if setting else ""),
+        f"{method}: lr {args.lr:.3g}" + (f", {setting}" if setting else ""),
         flush=True,
     )
     with PeakMemorySampler(args.device) as memory:
@@ -475,7 +426,7 @@ def train_one(method: str, scale: Scale, data: dict[str, Any], args: argparse.Na
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {
         "method": method,
-        "learning_rate": LEARNING_RATES[method],
+        "learning_rate": args.lr,
         "optim_args": optim_args,
         "setting": setting,
         "trainable_params": trainable,
@@ -504,14 +455,13 @@ def mb(n: Optional[float]) -> str:
     return "n/a" if n is None else f"{n / 2**20:.2f}"
 
 
-def better_adamw(results: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The AdamW baseline with the lower held-out loss: the one the table and the reading compare with."""
-    baselines = [r for r in results if r["method"] in ADAMW_BASELINES]
-    return min(baselines, key=lambda r: r["heldout_loss"], default=None)
+def adamw_baseline(results: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The AdamW run the table and the reading compare with (None when it was not run)."""
+    return next((r for r in results if r["method"] in ADAMW_BASELINES), None)
 
 
 def results_table(results: list[dict[str, Any]]) -> str:
-    reference = better_adamw(results)
+    reference = adamw_baseline(results)
     kind = results[0]["peak_memory_kind"]
     header = (
         "| method | final train loss | held-out loss | held-out vs AdamW | perplexity | training-state MB (weights / "
@@ -539,7 +489,7 @@ def plain_reading(results: list[dict[str, Any]], steps: int) -> str:
     """One paragraph saying in words what the table shows, computed from its numbers."""
     by_loss = sorted(results, key=lambda r: r["heldout_loss"])
     best = by_loss[0]
-    reference = better_adamw(results)
+    reference = adamw_baseline(results)
 
     def versus_adamw(r: dict[str, Any]) -> str:
         if reference is None or r["method"] in ADAMW_BASELINES:
@@ -564,12 +514,9 @@ def plain_reading(results: list[dict[str, Any]], steps: int) -> str:
             gap = r["heldout_loss"] - reference["heldout_loss"]
             return f"{r['method']} {abs(gap):.3f} {'below' if gap < 0 else 'above'}"
 
-        second = [r for r in results if r["method"] in ADAMW_BASELINES and r is not reference]
         text += (
-            f" Against {'the better AdamW baseline' if second else 'AdamW'}, {reference['method']} "
-            f"({reference['heldout_loss']:.3f}"
-            + "".join(f"; {r['method']} {r['heldout_loss']:.3f}" for r in second)
-            + f"): {', '.join(against(r) for r in others)}."
+            f" Against AdamW, {reference['method']} ({reference['heldout_loss']:.3f}): "
+            f"{', '.join(against(r) for r in others)}."
         )
     smallest = min(results, key=lambda r: r["state_bytes_total"])
     if len(results) > 1 and smallest is best:
@@ -648,6 +595,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "outputs" / "demo", help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--lr",
+        type=float,
+        default=USER_LEARNING_RATE,
+        help=f"the one peak learning rate of every method (default {USER_LEARNING_RATE:g}: {LEARNING_RATE_SOURCE})",
+    )
+    parser.add_argument(
         "--eval-blocks", type=int, default=96, help="held-out blocks to evaluate (default 96; 0: all of the play)"
     )
     model = parser.add_argument_group("model overrides (default: the scale's)")
@@ -697,13 +650,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "allocator overhead.\n"
         "- steps/s: median optimizer step (steps 2..N, all methods in this process) plus the basis refresh "
         "steps' extra time spread over all steps.\n"
-        "- two AdamW baselines: adamw_torch trains every parameter at one rate, adamw_galore_rates at a GaLore "
-        f"run's two rates ({BLOCK_LINEARS[0]}..{BLOCK_LINEARS[-1]} at lr x {GALORE_SCALE}, embeddings, norms and "
-        "head at lr), which is most of GaLore's lead over one rate in BENCHMARKS.md; every 'vs AdamW' column "
-        "compares with the one of lower held-out loss.\n"
-        "- learning rates: "
-        + ", ".join(f"{r['method']} {r['learning_rate']:.3g}" for r in results)
-        + f", {LEARNING_RATE_SOURCE}; GaLore runs also apply lr_scale 0.85 to the projected groups.\n"
+        f"- one learning rate for every method, {args.lr:.3g} ({LEARNING_RATE_SOURCE if args.lr == USER_LEARNING_RATE else 'set by --lr'}), "
+        "every other setting at its default: GaLore's scale='auto' matches each projected layer's update to "
+        "AdamW's and lr_scale 0.85 applies to the projected groups, as for any user who only changes optim.\n"
         "- final train loss: mean logged training loss over the last 10% of steps; held-out loss: the first "
         f"{len(data['heldout'])} blocks of a play never trained on (The Tempest)."
     )
