@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from ..config import GaLoreConfig
 from ..layers import GaLoreLinear
-from .chunked_loss import configure_trainer_loss
+from .chunked_loss import check_head_weight_readers, configure_trainer_loss
 from ..state import state_of
 from .names import galore_config_for, prepare_model_for_trainer, served_name
 from .patching import mark
@@ -54,6 +54,7 @@ def wrap_init(original: Callable) -> Callable:
             _check_foreign_optimizer(bound.arguments, training_args)
             original(*bound.args, **bound.kwargs)
             if getattr(self, "model", None) is not None and state_of(self.model) is not None:
+                check_head_weight_readers(self)
                 # a GaLore model with the user's own optimizer: without the callback no layer would train
                 _attach_callback(self, None)
             _bind_callbacks(self)
@@ -66,6 +67,7 @@ def wrap_init(original: Callable) -> Callable:
             bound.arguments["model_init"] = _preparing_model_init(bound.arguments["model_init"], config, name)
         original(*bound.args, **bound.kwargs)
         configure_trainer_loss(self, config)
+        check_head_weight_readers(self)
         _attach_callback(self, config)
         _bind_callbacks(self)
 
