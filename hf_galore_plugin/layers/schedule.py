@@ -1,9 +1,12 @@
 """When a GaLore layer refreshes its basis: the refresh-due rule and the staggered phases.
 
-Under ``refresh_schedule='aligned'`` every layer refreshes at its calibration step and then whenever its
-(lazy) gap has passed. Under ``'staggered'`` each layer has a phase (``galore_phase``) and refreshes only
-at steps == phase (mod update_proj_gap); :func:`assign_refresh_phases` packs the layers' refresh records
-into phases so that one step holds at most the budget (README "Options", Refresh memory).
+A calibrated layer refreshes only on the steps of its schedule's grid, once its (lazy) gap has passed
+since its last refresh: under ``refresh_schedule='aligned'`` the grid is the multiples of update_proj_gap
+(the same steps for every layer), under ``'staggered'`` the steps == the layer's phase (``galore_phase``)
+modulo update_proj_gap; :func:`assign_refresh_phases` packs the layers' refresh records into phases so that
+one step holds at most the budget (README "Options", Refresh memory). The grid is read from the schedule
+in force, not from the counters, so a run whose schedule changed (a resume with other settings) keeps to
+the new grid from then on, whatever steps its last refreshes fell on.
 
 The rule is two pure functions of a :class:`Counters` snapshot and a layer's fixed :class:`Schedule`
 (testable without a layer); the phase assignment takes the layers (their ``refresh_record_nbytes()`` and
@@ -22,6 +25,7 @@ __all__ = [
     "Schedule",
     "StepClock",
     "assign_refresh_phases",
+    "grid_phase",
     "next_refresh_step",
     "pack_refresh_phases",
     "refresh_due",
@@ -68,22 +72,32 @@ class Counters:
     phase: int  # galore_phase (0 under aligned)
 
 
+def grid_phase(counters: Counters, schedule: Schedule) -> int:
+    """The step (modulo ``schedule.period``) on which a calibrated layer may refresh: its phase under
+    'staggered', 0 under 'aligned' (every layer on the same steps). Taken from the schedule, not from the
+    phase counter alone: a layer whose last refreshes followed another schedule refreshes next on this
+    schedule's steps."""
+    return counters.phase if schedule.staggered else 0
+
+
 def refresh_due(counters: Counters, schedule: Schedule) -> bool:
     """Whether the step `counters.step` must record the layer's gradient for a new basis.
 
-    Aligned: calibrate at the first step, then refresh whenever the (lazy) gap has passed. Staggered (README
-    "Options", Refresh memory): calibrate at step == phase (or the first step after it that reaches the
-    layer), then refresh only at steps == phase (mod period) at least the gap after the last refresh. Phases
+    Calibration: aligned at the first step that reaches the layer; staggered (README "Options", Refresh
+    memory) at step == phase or the first step after it that reaches the layer. Then a refresh only at
+    steps == :func:`grid_phase` (mod period) at least the (lazy) gap after the last refresh. Staggered phases
     come from :func:`assign_refresh_phases`, which packs the layers so that one phase's records fit the
     budget: holding to the phase keeps every step within it (a lazily grown gap, or one clipped to a
-    max_proj_gap that is no multiple of the gap, waits for the next step of its phase). With every phase 0
-    the staggered rule is the aligned one."""
+    max_proj_gap that is no multiple of the gap, waits for the next step of its phase). Aligned layers hold to
+    the multiples of the period in the same way, so they refresh together, also after a switch from
+    'staggered' (a layer whose last refresh fell between them waits for the first one at least its gap
+    later). With every phase 0 the staggered rule is the aligned one."""
     if not schedule.needs_basis:
         return False
     step = counters.step
     if counters.num_refreshes == 0:
         return step >= counters.phase if schedule.staggered else True
-    if schedule.staggered and (step - counters.phase) % schedule.period != 0:
+    if (step - grid_phase(counters, schedule)) % schedule.period != 0:
         return False
     return step - counters.last_refresh >= counters.gap
 
@@ -98,9 +112,7 @@ def next_refresh_step(counters: Counters, schedule: Schedule) -> Optional[int]:
     if counters.num_refreshes == 0:
         return max(step, counters.phase) if schedule.staggered else step
     first = max(step, counters.last_refresh + counters.gap)
-    if not schedule.staggered:
-        return first
-    return first + (counters.phase - first) % schedule.period
+    return first + (grid_phase(counters, schedule) - first) % schedule.period
 
 
 def refresh_phase_capacity(config, layers: list[Any], costs: list[int]) -> int:
