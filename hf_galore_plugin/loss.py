@@ -25,11 +25,18 @@ used through ``get_output_embeddings()`` and its ``forward``'s ``labels``): a tr
 autograd enabled) computes exactly what transformers' ``ForCausalLMLoss`` computes (labels shifted by one,
 ``ignore_index``, ``num_items_in_batch``, ``shift_labels``) plus optional label smoothing (what the
 Trainer's ``LabelSmoother`` computes), and returns ``logits=None``; every other call is the model's own.
+
+A batch with nothing to predict (every target ``ignore_index``) behaves as in transformers' loss: its loss is
+``0 / denominator`` (NaN where the denominator is 0: the mean of no rows, or ``num_items_in_batch=0``) and every
+gradient is exactly zero, so training goes on. Such a batch is logged once per process (a warning read from the
+device without a sync, see :class:`_NothingToPredictWatch`).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -48,6 +55,8 @@ __all__ = [
     "ChunkedLossForward",
     "CHUNK_ELEMENTS",
 ]
+
+logger = logging.getLogger(__name__)
 
 # The default chunk holds at most this many logits: 128 MiB as fp32, whatever the vocabulary (256 tokens at
 # 128k, 1048 at 32k). Large enough that each chunk's matmuls run at full GEMM speed, small enough that a few
@@ -84,16 +93,116 @@ def _check_label_smoothing(label_smoothing: float) -> None:
         raise ValueError(f"label_smoothing={label_smoothing!r} is invalid: use a value in [0, 1) (0.1 is typical)")
 
 
+def _host_readable(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s values are host memory this call may read: a plain CPU tensor, outside compilation
+    (a fake tensor of the planner or a traced one has no values; reading a device tensor is a device sync)."""
+    return type(tensor) is torch.Tensor and tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _check_label_ids(targets: torch.Tensor, vocab: Optional[int], ignore_index: int) -> None:
+    """Refuse target ids the loss cannot pick: negative ones other than ignore_index, and ids >= vocab.
+
+    Checked where the ids are host memory (CPU labels, also those of a model on an accelerator before they are
+    moved to it): reading them waits for nothing. Ids already on an accelerator are not read, as that would be a
+    device sync on every step; an out-of-range id there fails in the logits' gather with a device-side assert,
+    as it fails in transformers' loss (nll_loss's assert).
+    """
+    if not _host_readable(targets):
+        return
+    bad = (targets < 0) & (targets != ignore_index)
+    if vocab is not None:
+        bad |= targets >= vocab
+    any_bad = bad.any()
+    # A fake-tensor mode turns even a real tensor's results fake: nothing to read then. tolist, not item: a
+    # read of host memory, not dispatched as the read of a device value.
+    if type(any_bad) is not torch.Tensor or not any_bad.tolist():
+        return
+    values = torch.unique(targets[bad]).tolist()
+    shown = ", ".join(str(v) for v in values[:8]) + (", ..." if len(values) > 8 else "")
+    allowed = f"[0, {vocab})" if vocab is not None else ">= 0"
+    raise ValueError(
+        f"labels hold ids outside the output head's vocabulary {allowed}: {shown} at {int(bad.sum())} positions; "
+        f"a label must be a token id in {allowed} or ignore_index={ignore_index} (nothing to predict). Set "
+        f"padding and masked positions to {ignore_index}, and use a tokenizer that matches the model (after "
+        "adding tokens: model.resize_token_embeddings(len(tokenizer)))"
+    )
+
+
+class _NothingToPredictWatch:
+    """Logs once per process that a loss call had no target to predict, without a device sync.
+
+    Each call hands in a 0-d boolean, "no target kept", on the targets' device. A CPU flag is host memory, read
+    at once. A CUDA flag is copied without blocking into pinned host memory with an event recorded behind the
+    copy, and read only once the event reports completion (``query()`` does not wait), at this or a later call:
+    the warning may come a few steps late, and no call waits for the device. Flags of other devices and calls
+    under CUDA-graph capture are not watched. Once it has warned, a call costs nothing; until then, one
+    reduction over the targets (and on CUDA a one-byte copy and an event).
+    """
+
+    # At most this many CUDA flags wait: a device this far behind the host makes later calls skip the watch,
+    # never wait for it.
+    MAX_PENDING = 64
+
+    def __init__(self) -> None:
+        self.warned = False
+        self.pending: deque[tuple[torch.Tensor, Any]] = deque()
+
+    @staticmethod
+    def watches(targets: torch.Tensor) -> bool:
+        """Whether calls with these targets are watched: real tensors on the CPU or a CUDA device, outside
+        compilation (a fake tensor of the planner or a traced one has no value to read)."""
+        return (type(targets) is torch.Tensor and targets.device.type in ("cpu", "cuda")
+                and not torch.compiler.is_compiling())  # fmt: skip
+
+    def watch(self, nothing: torch.Tensor, ignore_index: int) -> None:
+        if type(nothing) is not torch.Tensor:  # made fake by an active fake-tensor mode
+            return
+        if nothing.device.type == "cpu":
+            self.pending.append((nothing, None))
+        elif (nothing.device.type == "cuda" and len(self.pending) < self.MAX_PENDING
+              and not torch.cuda.is_current_stream_capturing()):  # fmt: skip
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(nothing, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(nothing.device))
+            self.pending.append((host, done))
+        self.poll(ignore_index)
+
+    def poll(self, ignore_index: int) -> None:
+        while self.pending and not self.warned:
+            host, done = self.pending[0]
+            if done is not None and not done.query():
+                return
+            self.pending.popleft()
+            if host.tolist():
+                self.warned = True
+                self.pending.clear()
+                logger.warning(
+                    "chunked loss: a batch has no token to predict, every target is ignore_index=%d (e.g. a "
+                    "prompt longer than max_length, its answer cut off, or a sequence of length 1). Its "
+                    "gradients are zero, so training goes on; its loss is NaN where nothing else in the step "
+                    "has a target (0 / 0, as in transformers' loss; the Trainer logs it as 0.0). Drop such "
+                    "examples from the data. This warning is shown once per process.",
+                    ignore_index,
+                )
+
+
+_NOTHING_TO_PREDICT = _NothingToPredictWatch()
+
+
 # ---------------------------------------------------------------------- the per-chunk math
 def _cross_entropy_rows_(
     z: torch.Tensor, targets: torch.Tensor, label_smoothing: float, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy of fp32 logits `z` (c x V) and, in place in `z`, its gradient with respect to
-    the logits (softmax(z) - (1 - eps) one_hot(target) - eps / V). Returns (row losses, valid rows as fp32).
+    the logits (softmax(z) - (1 - eps) one_hot(target) - eps / V). Returns (row losses, valid rows as a
+    boolean mask).
 
     Row loss = logsumexp(z) - (1 - eps) z[target] - eps mean(z): torch's cross_entropy with label_smoothing
     (and the Trainer's LabelSmoother). One c x V buffer: `z` itself becomes exp(z - max), then the softmax,
-    then the gradient. Ignored rows (target == ignore_index) get loss and gradient zeroed by the caller.
+    then the gradient. Ignored rows (target == ignore_index) get loss and gradient zeroed by the caller, by
+    selecting with the mask (not multiplying by it: 0 * inf is NaN, and the scale is inf where nothing in the
+    batch is to be predicted).
     """
     valid = targets != ignore_index
     safe = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
@@ -108,7 +217,7 @@ def _cross_entropy_rows_(
     z.scatter_add_(1, safe, torch.full_like(picked, -(1.0 - label_smoothing)).unsqueeze(1))
     if label_smoothing:
         z.sub_(label_smoothing / z.shape[1])
-    return rows, valid.to(torch.float32)
+    return rows, valid
 
 
 @dataclass(frozen=True)
@@ -187,11 +296,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 # The module's output stays the root of its autograd graph: the math runs in a copy.
                 z = logits.detach().to(torch.float32, copy=True)
             rows, valid = _cross_entropy_rows_(z, targets[start:stop], spec.label_smoothing, spec.ignore_index)
-            total = total + (rows * valid).sum()
+            total = total + torch.where(valid, rows, 0.0).sum()
             if not any_grad:
                 continue
-            # d(loss)/d(logits) of this chunk: ignored rows zeroed, divided by the loss's denominator.
-            z.mul_((valid * inv_denominator).unsqueeze(1))
+            # d(loss)/d(logits) of this chunk: divided by the loss's denominator, ignored rows exactly zero. A
+            # select, not valid * inv_denominator: a batch with nothing to predict has denominator 0 and
+            # 0 * inf would make its gradients NaN, where transformers' loss gives zeros.
+            z.mul_(torch.where(valid, inv_denominator, 0.0).unsqueeze(1))
             if plain:
                 dz = z.to(w.dtype)
                 with torch.autocast(hidden.device.type, enabled=False):
@@ -255,7 +366,10 @@ def linear_cross_entropy(
     ``fixed_cross_entropy``), else their mean. `head`: a plain ``nn.Linear`` is used through its weight and
     bias; any other module through ``head_forward`` (default: calling the module), per chunk. The result
     equals the unchunked loss up to fp32 rounding, and so do the gradients of `hidden` and the head's
-    trainable parameters.
+    trainable parameters. With no target kept the loss is ``0 / denominator`` (NaN for a mean, or for
+    ``num_items_in_batch=0``) and every gradient is zero, as in transformers' loss; the first such call of the
+    process logs a warning. Target ids outside ``[0, out_features)`` other than ``ignore_index`` raise a
+    ValueError where they are host memory (see :func:`_check_label_ids`).
     """
     _check_chunk_tokens(chunk_tokens)
     _check_label_smoothing(label_smoothing)
@@ -264,11 +378,12 @@ def linear_cross_entropy(
             f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} do not align: targets must "
             "have the shape of hidden without its last dimension (shift causal-LM labels before calling)"
         )
+    # nn.Linear and GaLoreLinear both name their output width out_features.
+    vocab: Optional[int] = getattr(head, "out_features", None)
+    _check_label_ids(targets, vocab, ignore_index)
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     targets1 = targets.reshape(-1).to(hidden.device)
     plain = type(head) is nn.Linear
-    # nn.Linear and GaLoreLinear both name their output width out_features.
-    vocab: Optional[int] = getattr(head, "out_features", None)
     if chunk_tokens is None:
         if vocab is None:
             raise ValueError(
@@ -283,6 +398,9 @@ def linear_cross_entropy(
     else:
         denominator = torch.tensor(float(num_items_in_batch), device=hidden.device)
     inv_denominator = denominator.reciprocal()
+    watch = _NOTHING_TO_PREDICT
+    if not watch.warned and watch.watches(targets1):
+        watch.watch((targets1 == ignore_index).all(), int(ignore_index))
     if plain:
         spec = _Spec(chunk_tokens, float(label_smoothing), int(ignore_index), None)
         return LinearCrossEntropyFunction.apply(hidden2, targets1, inv_denominator, spec, head.weight, head.bias)
@@ -352,7 +470,7 @@ class ChunkedLossForward:
 
         def head_loss(hidden: torch.Tensor) -> torch.Tensor:
             pending.loss = linear_cross_entropy(
-                hidden, head, pending.targets.to(hidden.device), ignore_index=pending.ignore_index,
+                hidden, head, pending.targets, ignore_index=pending.ignore_index,
                 label_smoothing=self.label_smoothing, num_items_in_batch=pending.num_items_in_batch,
                 chunk_tokens=self.chunk_tokens, head_forward=None if type(head) is nn.Linear else head_forward,
             )  # fmt: skip

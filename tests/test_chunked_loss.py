@@ -4,6 +4,9 @@ cross_entropy and the Trainer's LabelSmoother, its peak memory, and its installa
 from __future__ import annotations
 
 import copy
+import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import RANK_ARGS, logged_losses, token_data, training_args, use_torch_twins
-from hf_galore_plugin import GaLoreConfig, merge_and_unload, prepare_model
+from hf_galore_plugin import GaLoreConfig, loss, merge_and_unload, prepare_model
 from hf_galore_plugin.loss import (
     chunked_loss_settings,
     disable_chunked_loss,
@@ -290,6 +293,149 @@ def test_bad_settings_name_the_value_and_the_fix():
         linear_cross_entropy(torch.zeros(2, 3, 4), nn.Linear(4, 8), torch.zeros(2, 4, dtype=torch.long))
 
 
+# ---------------------------------------------------------------------- batches with nothing to predict
+NOTHING_TO_PREDICT = "no token to predict"
+
+
+@pytest.fixture
+def fresh_watch(monkeypatch):
+    """The once-per-process warning's state, new for this test (another test may have warned already)."""
+    watch = loss._NothingToPredictWatch()
+    monkeypatch.setattr(loss, "_NOTHING_TO_PREDICT", watch)
+    return watch
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == loss.__name__ and r.levelno == logging.WARNING]
+
+
+def _assert_zero_and_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        assert torch.isfinite(got[name]).all(), name
+        assert torch.equal(got[name], g), name
+        assert not g.any(), name  # the oracle's own gradients are zero: nothing to predict, nothing to learn
+
+
+@pytest.mark.parametrize(
+    ("length", "kwargs", "stock_is_nan"),
+    [
+        (24, {}, True),  # a mean over no tokens: 0 / 0
+        (24, {"num_items_in_batch": torch.tensor(0)}, True),  # the Trainer's count for such a batch
+        (24, {"num_items_in_batch": 0}, True),
+        (24, {"num_items_in_batch": torch.tensor(30)}, False),  # other micro-batches of the step have targets
+        (1, {}, True),  # a sequence of length 1: its one label is shifted out
+    ],
+    ids=["mean", "count-tensor-0", "count-int-0", "count-30", "length-1"],
+)
+def test_a_batch_with_nothing_to_predict_has_the_stock_loss_and_zero_gradients(
+    tiny_llama, fresh_watch, length, kwargs, stock_is_nan
+):
+    # Oracle: the model's own loss (transformers' ForCausalLMLoss): NaN or 0 as its loss, exactly zero gradients.
+    # The chunked loss gave NaN gradients here (0 * 1/0), which made every weight NaN at the optimizer step.
+    reference = _llama(tiny_llama)
+    chunked = enable_chunked_loss(copy.deepcopy(reference), chunk_tokens=7)
+    ids = _batch(length=length)[0]
+    labels = torch.full_like(ids, -100) if length > 1 else ids
+    want = reference(input_ids=ids, labels=labels, **kwargs)
+    want.loss.backward()
+    got = chunked(input_ids=ids, labels=labels, **kwargs)
+    got.loss.backward()
+    assert bool(torch.isnan(want.loss)) == stock_is_nan
+    torch.testing.assert_close(got.loss, want.loss, equal_nan=True, rtol=0, atol=0)
+    _assert_zero_and_equal(_grads(chunked), _grads(reference))
+
+
+def test_a_galore_head_with_nothing_to_predict_gets_zero_gradients_and_a_finite_record(tiny_llama, fresh_watch):
+    # The module path (the head's own backward runs inside the loss's forward, and records the refresh input):
+    # oracle, the same prepared model with the model's own loss. Step 0 calibrates every layer ('aligned').
+    base = _llama(tiny_llama)
+    config = GaLoreConfig(rank=8, target_modules=["lm_head", "q_proj"], refresh_schedule="aligned")
+    reference = prepare_model(copy.deepcopy(base), config)
+    chunked = prepare_model(copy.deepcopy(base), config.replace(chunked_loss=True, chunked_loss_tokens=11))
+    ids = _batch()[0]
+    labels = torch.full_like(ids, -100)
+    for model in (reference, chunked):
+        model(input_ids=ids, labels=labels).loss.backward()
+    _assert_zero_and_equal(_grads(chunked), _grads(reference))
+    want, got = reference.lm_head._pending_grad, chunked.lm_head._pending_grad
+    assert isinstance(want, dict) and want.keys() == got.keys()
+    for side in want:
+        assert torch.isfinite(got[side]).all(), side
+        assert torch.equal(got[side], want[side]), side
+
+
+@pytest.mark.parametrize("count_items", [False, True], ids=["mean-per-micro-batch", "num_items_in_batch"])
+def test_accumulating_a_masked_and_an_unmasked_micro_batch_equals_the_stock_gradients(
+    tiny_llama, fresh_watch, count_items
+):
+    # Gradient accumulation over two micro-batches, the first with nothing to predict, as the Trainer runs it:
+    # each micro-batch's mean loss divided by the number of micro-batches (a model without loss kwargs), or
+    # every loss divided by the step's target count (num_items_in_batch). Oracle: the model's own loss.
+    reference = _llama(tiny_llama)
+    chunked = enable_chunked_loss(copy.deepcopy(reference), chunk_tokens=7)
+    ids, labels = _batch()
+    micro_batches = [(ids.flip(0), torch.full_like(labels, -100)), (ids, labels)]
+    count = sum(int((F.pad(lab, (0, 1), value=-100)[..., 1:] != -100).sum()) for _, lab in micro_batches)
+    for model in (reference, chunked):
+        for micro_ids, micro_labels in micro_batches:
+            if count_items:
+                step_loss = model(input_ids=micro_ids, labels=micro_labels, num_items_in_batch=count).loss
+            else:
+                step_loss = model(input_ids=micro_ids, labels=micro_labels).loss / len(micro_batches)
+            step_loss.backward()
+    got = _grads(chunked)
+    assert all(torch.isfinite(g).all() for g in got.values())
+    _assert_close(got, _grads(reference), FP32_TOL)
+
+
+def test_nothing_to_predict_is_logged_once_per_process(fresh_watch, caplog):
+    head = nn.Linear(8, 16)
+    hidden = torch.randn(6, 8, requires_grad=True)
+    masked = torch.full((6,), -100)
+    kept = torch.tensor([1, -100, 3, 4, -100, 15])
+    with caplog.at_level(logging.WARNING, logger=loss.__name__):
+        linear_cross_entropy(hidden, head, kept).backward()
+        assert _warnings(caplog) == []  # a batch with a target is not reported
+        for _ in range(3):
+            linear_cross_entropy(hidden, head, masked).backward()
+    (message,) = _warnings(caplog)
+    assert NOTHING_TO_PREDICT in message and "ignore_index=-100" in message
+
+
+def test_checks_of_the_targets_make_no_dispatched_device_read(tiny_llama, fresh_watch):
+    # The range check and the nothing-to-predict watch read host memory only (CPU targets, pinned copies):
+    # no aten op that reads a tensor's value to the host (what is a device sync on a GPU) runs in a step.
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from step_overhead import OpCount
+
+    model = enable_chunked_loss(_llama(tiny_llama), chunk_tokens=7)
+    ids, labels = _batch()
+    with OpCount() as count:
+        model(input_ids=ids, labels=labels).loss.backward()
+        model(input_ids=ids, labels=torch.full_like(labels, -100)).loss.backward()
+    assert count.syncs == 0, count.names
+    assert fresh_watch.warned  # the watch did run, and saw the second batch
+
+
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 7, -5])
+def test_label_ids_outside_the_vocabulary_are_refused_naming_the_labels(tiny_llama, bad):
+    # Oracle: the model's own loss refuses the same labels (torch's "Target ... is out of bounds", which names
+    # neither the labels nor the fix).
+    model = _llama(tiny_llama)
+    ids, labels = _batch()
+    labels[1, 4] = bad
+    with pytest.raises(IndexError, match="out of bounds"):
+        model(input_ids=ids, labels=labels)
+    enable_chunked_loss(model, chunk_tokens=7)
+    pattern = rf"labels hold ids outside .* \[0, {VOCAB}\): {bad} at 1 positions.*ignore_index=-100"
+    with pytest.raises(ValueError, match=pattern):
+        model(input_ids=ids, labels=labels)
+    head = nn.Linear(8, VOCAB)
+    with pytest.raises(ValueError, match=rf"labels hold ids .*: {bad} at 2 positions.*resize_token_embeddings"):
+        linear_cross_entropy(torch.randn(4, 8), head, torch.tensor([bad, 3, -100, bad]))
+
+
 # ---------------------------------------------------------------------- the Trainer
 def _trainer(tiny_llama, tmp_path, optim_args, **overrides):
     from transformers import Trainer
@@ -313,6 +459,40 @@ def test_trainer_label_smoothing_moves_into_the_chunked_loss(tiny_llama, tmp_pat
     assert want.keys() == got.keys() == {1, 2, 3}
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-4, (step, got[step], want[step])
+
+
+def test_trainer_steps_on_batches_with_nothing_to_predict_as_with_the_models_own_loss(
+    tiny_llama, tmp_path, fresh_watch, caplog
+):
+    # Six steps of one row each, two rows with every label -100 (a prompt longer than max_length in SFT): the
+    # Trainer passes num_items_in_batch=0 for those steps. Oracle: the same run with the model's own loss, whose
+    # zero gradients leave the weights finite (the chunked loss's NaN gradients made every weight NaN). Equal
+    # weights within fp32 rounding carried through six Adam steps (measured: 1.2e-7).
+    from transformers import Trainer
+
+    data = token_data(6)
+    for row in (1, 4):
+        data[row] = {"input_ids": data[row]["input_ids"], "labels": torch.full_like(data[row]["labels"], -100)}
+    trained = {}
+    with caplog.at_level(logging.WARNING, logger=loss.__name__):
+        for name, extra in (("plain", ""), ("chunked", ",chunked_loss=true,chunked_loss_tokens=5")):
+            args = training_args(tmp_path / name, optim_args=RANK_ARGS + extra, max_steps=6,
+                                 per_device_train_batch_size=1)  # fmt: skip
+            trainer = Trainer(model=tiny_llama().train(), args=args, train_dataset=data)
+            trainer.train()
+            trained[name] = trainer
+    plain, chunked = trained["plain"], trained["chunked"]
+    assert chunked_loss_settings(chunked.model) is not None
+    want = dict(plain.model.named_parameters())
+    for name, weight in chunked.model.named_parameters():
+        assert torch.isfinite(weight).all(), name
+        assert (weight - want[name]).abs().max() <= 1e-5, name
+    want_losses, got_losses = logged_losses(plain), logged_losses(chunked)
+    assert want_losses.keys() == got_losses.keys() == set(range(1, 7))
+    for step in want_losses:
+        assert abs(got_losses[step] - want_losses[step]) <= 1e-4, (step, got_losses[step], want_losses[step])
+    (message,) = _warnings(caplog)  # two such batches, one warning
+    assert NOTHING_TO_PREDICT in message
 
 
 @pytest.mark.triton  # may import Liger's kernels: under the interpreter (conftest), as the oracle test below
