@@ -41,7 +41,7 @@ class MethodSetup:
     extra_trainable: str  # other parameters the adapter methods train fully (re.search on the name)
     galore_rank: int
     galore_gap: int
-    galore_scale: float
+    galore_scale: float | str  # a float, or "auto" (each layer's norm-matched scale)
     lora_rank: int
     lora_matched_rank: int
     head_regex: Optional[str] = None  # parameters (re.search on the name) trained at head_lr by every method

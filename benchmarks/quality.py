@@ -59,6 +59,7 @@ import torch  # noqa: E402
 METHODS = (
     "adamw", "adamw_galore_rates", "bnb_adamw8bit", "galore_torch", "transformers_galore",
     "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "lora_r8", "lora_matched", "qlora_nf4",
+    "galore_adamw_auto", "galore_adamw_8bit_auto", "qgalore_adamw_8bit_auto",
 )  # fmt: skip
 
 # Documented peak learning rates for pre-training.
@@ -67,13 +68,18 @@ METHODS = (
 #   (weights move at about lr * scale = 2.5e-3 per unit of normalised update).
 # - adamw_galore_rates: AdamW at a GaLore run's per-group rates (projected matrices at lr * scale, the
 #   rest at lr), so its documented lr is GaLore's.
+# - <preset>_auto: our preset as a user switching from AdamW runs it: scale='auto' (each layer's
+#   sqrt(projected side / rank)), lr_scale 0.85 on the GaLore groups as the Trainer applies it, and AdamW's
+#   documented rate, which the drop-in rule says carries over unchanged.
 # - LoRA, QLoRA: 1e-3. Neither paper documents a rate for pre-training from scratch; this is the
 #   full-rank rate, which the GaLore paper's low-rank baselines start from. The sweep covers 3e-3.
 DOCUMENTED_LR = {
     "adamw": 1e-3, "adamw_galore_rates": 1e-2, "bnb_adamw8bit": 1e-3, "galore_torch": 1e-2, "transformers_galore": 1e-2,
     "galore_adamw": 1e-2, "galore_adamw_8bit": 1e-2, "qgalore_adamw_8bit": 1e-2,
     "lora_r8": 1e-3, "lora_matched": 1e-3, "qlora_nf4": 1e-3,
+    "galore_adamw_auto": 1e-3, "galore_adamw_8bit_auto": 1e-3, "qgalore_adamw_8bit_auto": 1e-3,
 }  # fmt: skip
+AUTO_SUFFIX = "_auto"
 # Experts projected: `<preset>_experts_r<R>` is the preset with experts=True, expert_rank=R (MoE sizes).
 EXPERT_PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 EXPERT_RANKS = (1, 2, 4, 8)
@@ -212,9 +218,12 @@ def heldout_loss(model, blocks: torch.Tensor, batch_size: int, device: torch.dev
 # ---------------------------------------------------------------------- one run
 def resolve_method(method: str) -> tuple[str, dict[str, Any]]:
     """(the _common method that trains `method`, its GaLoreConfig overrides): `<preset>_experts_r<R>` is
-    `<preset>` with experts=True, expert_rank=R; every other name is itself without overrides."""
+    `<preset>` with experts=True, expert_rank=R; `<preset>_auto` is `<preset>` (at scale "auto"); every other
+    name is itself without overrides."""
     if method == EXPERT_CONTROL:
         return "galore_adamw", {}
+    if method.endswith(AUTO_SUFFIX):
+        return method[: -len(AUTO_SUFFIX)], {}
     match = re.fullmatch(r"(.+)_experts_r(\d+)", method)
     if match is None:
         return method, {}
@@ -231,7 +240,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     method, expert_overrides = resolve_method(job["method"])
     setup = _common.MethodSetup(
         targets_regex=TARGETS, extra_trainable=EXTRA_TRAINABLE, galore_rank=size.rank, galore_gap=size.gap,
-        galore_scale=GALORE_SCALE, lora_rank=8, lora_matched_rank=_common.matched_lora_rank(model, TARGETS, size.rank),
+        galore_scale="auto" if job["method"].endswith(AUTO_SUFFIX) else GALORE_SCALE, lora_rank=8, lora_matched_rank=_common.matched_lora_rank(model, TARGETS, size.rank),
         galore_overrides=tuple(sorted({**job.get("galore_overrides", {}), **expert_overrides}.items())),
         # The control: the plain expert parameters (named ...mlp.experts.gate_up_proj / down_proj) at lr x scale.
         **({"head_regex": r"\.experts\.", "head_lr": job["lr"] * GALORE_SCALE} if job["method"] == EXPERT_CONTROL else {}),
@@ -244,7 +253,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
 
     galore_state = state_of(model)
     galore_config = galore_state.config if galore_state is not None else None
-    if job.get("apply_lr_scale") and galore_config is not None:
+    apply_lr_scale = bool(job.get("apply_lr_scale")) or job["method"].endswith(AUTO_SUFFIX)
+    if apply_lr_scale and galore_config is not None:
         # The Trainer integration's lr_scale (and its recovery) on the GaLore groups, as GaLoreCallback applies it.
         def scaled(step: int) -> float:
             return schedule(step) * _common.galore_lr_multiplier(galore_config, step, size.steps)
@@ -296,7 +306,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "step_driver_seconds": refresh_seconds,  # time in after_step: basis refreshes and folds
         "refreshes": _refresh_count(model),
         "galore_overrides": job.get("galore_overrides", {}),
-        "apply_lr_scale": bool(job.get("apply_lr_scale")),
+        "apply_lr_scale": apply_lr_scale,
     }
 
 
