@@ -117,10 +117,6 @@ THIRD_PARTY = {
     "triton": {"kernels"},
 }
 
-# Imports of the facade that are known and being removed on the transformers-integration branch.
-# Each entry must still occur (the test below fails once one is gone, so the list only shrinks).
-KNOWN_FACADE_IMPORTS: set[str] = set()
-
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -261,11 +257,10 @@ def test_no_import_cycles_between_units():
 
 def test_no_unit_imports_the_package_facade():
     importers = {src for src, dst, _ in EDGES if dst == "" and src not in ("", "__main__")}
-    assert importers - KNOWN_FACADE_IMPORTS == set(), (
-        f"{sorted(importers - KNOWN_FACADE_IMPORTS)} import hf_galore_plugin itself: import the module that "
+    assert not importers, (
+        f"{sorted(importers)} import hf_galore_plugin itself: import the module that "
         "defines the name (hf_galore_plugin.api, ...) instead"
     )
-    assert KNOWN_FACADE_IMPORTS <= importers, f"fixed: remove {sorted(KNOWN_FACADE_IMPORTS - importers)} from the list"
 
 
 def test_no_private_name_is_imported_from_another_module():
