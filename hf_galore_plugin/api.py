@@ -144,12 +144,22 @@ def install_base_decay_hook(optimizer: torch.optim.Optimizer, model: nn.Module):
     ZeRO-3 must keep each GaLore group in one sub-group: its default ``sub_group_size`` of 1e9 does).
     """
 
-    steps = [0]
+    # The step-driver check runs once, in the second training step: the first time a parameter that was
+    # stepped before is stepped again. Calls of optimizer.step() are no count of training steps: ZeRO steps
+    # its inner optimizer once per parameter group (ZeRO-1/2) or sub-group (ZeRO-3) in every training step,
+    # each call with other parameters (its flat fp32 partitions). A group's first parameter stands for the
+    # group; the set is dropped once the check has run, so later steps pay nothing for it.
+    stepped: Optional[set[int]] = set()
 
     def hook(opt: torch.optim.Optimizer, args, kwargs) -> None:
-        steps[0] += 1
-        if steps[0] == 2:
-            _check_step_driver(model)
+        nonlocal stepped
+        if stepped is not None:
+            firsts = {id(group["params"][0]) for group in opt.param_groups if group["params"]}
+            if firsts & stepped:
+                stepped = None
+                _check_step_driver(model)
+            else:
+                stepped |= firsts
         layers: Optional[dict[str, GaLoreLinear]] = None
         units: Optional[dict[int, nn.Module]] = None
         for group in opt.param_groups:
