@@ -158,10 +158,12 @@ def _linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def prepare_model_for_trainer(model: nn.Module, config: GaLoreConfig, name: str) -> nn.Module:
     """``prepare_model`` with the optimizer name and the model's linear layers in its errors.
 
-    The core logs what was targeted and skipped, and why (``state_of(model).report``). A model that
+    The core logs what was targeted and skipped, and why (``state_of(model).report``), at INFO; experts left
+    to plain optimizer state that the user did not choose to leave out are also a WARNING. A model that
     DeepSpeed ZeRO-3 already partitioned (``from_pretrained`` under a stage-3 config) is prepared
     one gathered layer at a time and partitioned again with the same DeepSpeed config.
     """
+    fresh = state_of(model) is None
     try:
         if is_zero3_partitioned(model):
             from transformers.integrations.deepspeed import deepspeed_config
@@ -172,8 +174,9 @@ def prepare_model_for_trainer(model: nn.Module, config: GaLoreConfig, name: str)
                     "the model's parameters are partitioned by DeepSpeed ZeRO-3 but no DeepSpeed config is active; "
                     "create TrainingArguments(deepspeed=...) before loading the model"
                 )
-            return prepare_zero3_model(model, config, ds_config)
-        return prepare_model(model, config)
+            prepared = prepare_zero3_model(model, config, ds_config)
+        else:
+            prepared = prepare_model(model, config)
     except ValueError as exc:
         linear_names = [module_name for module_name, _ in _linear_layers(model)]
         raise ValueError(
@@ -181,6 +184,45 @@ def prepare_model_for_trainer(model: nn.Module, config: GaLoreConfig, name: str)
             f"(target_modules={config.target_modules!r}, rank={config.rank}; its nn.Linear layers: "
             f"{linear_names[:12]}{' ...' if len(linear_names) > 12 else ''})"
         ) from exc
+    if fresh:
+        _warn_unprojected_experts(prepared, name)
+    return prepared
+
+
+# Why an experts module was left to plain optimizer state (inject.select_expert_targets) that the user did not
+# choose: the default experts=False, or a layout GaLore cannot project. Frozen experts, adapters and
+# exclude_modules are left out on purpose and stay in the INFO summary only.
+_UNCHOSEN_EXPERT_REASONS = ("experts=False", "unsupported")
+
+
+def _warn_unprojected_experts(model: nn.Module, name: str) -> None:
+    """A mixture-of-experts model whose experts stay unprojected keeps full-size AdamW moments for most of its
+    parameters: a WARNING, which the Trainer's default verbosity shows (the core's summary line is INFO, which a
+    library logger without a handler never shows)."""
+    state = state_of(model)
+    report = state.report if state is not None else None
+    if report is None:
+        return
+    left = {n: r for n, r in report.unprojected_experts.items() if r.startswith(_UNCHOSEN_EXPERT_REASONS)}
+    if not left:
+        return
+    # a ZeRO-3 partitioned parameter holds its full size in ds_numel
+    params = sum(getattr(p, "ds_numel", p.numel()) for n in left for p in model.get_submodule(n).parameters())
+    share = params / max(report.model_params, 1)
+    kinds: dict[str, int] = {}
+    for reason in left.values():
+        kinds[reason] = kinds.get(reason, 0) + 1
+    because = ", ".join(f"{count} {reason}" for reason, count in sorted(kinds.items()))
+    fix = (
+        "; pass optim_args experts=true to train them with GaLore (one basis per expert at expert_rank, default 16)"
+        if "experts=False" in kinds
+        else ""
+    )
+    logger.warning(
+        "optim=%r: %d expert modules of %s are not projected by GaLore and keep full-size AdamW state "
+        "(%s; %s expert parameters, %.0f%% of the model)%s",
+        name, len(left), type(model).__name__, because, f"{params:,}", 100 * share, fix,
+    )  # fmt: skip
 
 
 class GaLoreOptimizerFactory(torch.optim.Optimizer):
