@@ -1,0 +1,125 @@
+"""benchmarks/finetune_clm.py --quick runs end to end: every method gets a table row, fine-tuning lowers the
+answer loss, the loss counts answer tokens only, the teacher-forced exact match is what greedy decoding
+gives, and a second invocation reuses the cached base model instead of pre-training again.
+
+The benchmark runs in subprocesses (importing it would set HF_GALORE_PLUGIN_NO_TAKEOVER=1 in this
+process), without TRITON_INTERPRET, as tests/test_benchmarks_cli.py runs the other benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.benchmark
+
+# The quick size's methods: the four baselines and each preset at ranks hidden / 16, / 8, / 4 of hidden 64.
+METHODS = ["adamw", "bnb_adamw8bit", "lora_r16", "qlora_nf4_r16"] + [
+    f"{preset}_r{rank}" for preset in ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit") for rank in (4, 8, 16)
+]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+# Run inside a subprocess: the labels the benchmark trains and evaluates with are the answers' tokens at the
+# answers' positions and -100 everywhere else, and the evaluated loss is the mean over answer tokens only.
+ANSWERS_ONLY = r"""
+import json, sys, torch
+sys.path.insert(0, "benchmarks")
+import finetune_clm as f
+data = torch.load(sys.argv[1], weights_only=True)
+split = data["dev"]
+prompts, answers = split["prompt"][:6], split["answer"][:6]
+ids, mask, labels = f.collate(prompts, answers, data["pad"])
+checks = {"labelled": int((labels != -100).sum()), "answer_tokens": sum(len(a) for a in answers), "rows": []}
+for row, (p, a) in enumerate(zip(prompts, answers)):
+    labelled = (labels[row] != -100).nonzero().flatten().tolist()
+    checks["rows"].append({"positions": labelled == list(range(len(p), len(p) + len(a))),
+                           "tokens": labels[row, labelled].tolist() == a, "eos_last": a[-1] == data["eos"],
+                           "input": ids[row, : len(p) + len(a)].tolist() == p + a})
+# A model whose logits are uniform at the positions that predict answer tokens (2 and 3 of a 3-token prompt
+# and 2-token answer) and put all mass on token 0 at the two that predict prompt tokens: the loss `evaluate`
+# reports must be ln(50), untouched by the prompt positions (which would add ~100 nats each).
+class Stub(torch.nn.Module):
+    training = False
+    def forward(self, input_ids, attention_mask):
+        logits = torch.zeros(*input_ids.shape, 50)
+        logits[..., 0] = torch.where(torch.arange(input_ids.shape[1]) < 2, 100.0, 0.0)
+        return type("Out", (), {"logits": logits})()
+    def eval(self): return self
+    def train(self, mode=True): return self
+small = {"prompt": [[1, 2, 3]] * 2, "answer": [[4, 5], [6, 7]]}
+checks["uniform_loss"] = f.evaluate(Stub(), small, 0, torch.device("cpu"))["loss"]
+print(json.dumps(checks))
+"""
+
+
+def test_finetune_clm_quick(tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "base"
+    first = _run(
+        [sys.executable, "benchmarks/finetune_clm.py", "--quick", "--out", str(out), "--base-cache", str(cache)]
+    )
+    assert "pre-training" in first.stdout and "reusing" not in first.stdout
+    summary = json.loads((out / "finetune_clm.json").read_text())
+    table = (out / "finetune_clm.md").read_text()
+    assert summary["base"]["reused"] is False
+    assert [r["method"] for r in summary["methods"]] == METHODS
+    for method in METHODS:  # one table row per method, with numbers in its loss and gain cells
+        row = next(line for line in table.splitlines() if line.startswith(f"| {method} |"))
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert math.isfinite(float(cells[4].split()[0])) and cells[6].endswith("%"), row
+    base_loss = summary["base_scores"]["test_loss"]
+    runs = {r["method"]: r for r in summary["runs"]}
+    assert set(runs) == set(METHODS)
+    for method, run in runs.items():
+        assert not run["diverged"], method
+        assert math.isfinite(run["test_loss"]) and 0.0 <= run["test_exact_match"] <= 1.0, method
+        assert run["final_train_loss"] < run["first_train_loss"], method
+        # Exact match is read off the teacher-forced pass; real greedy decoding must agree on every checked prompt.
+        check = run["generation_check"]
+        assert check["checked"] == 16 and check["agree"] == check["checked"], (method, check)
+    # Full fine-tuning learns the answer format: its test answer loss falls well below the base model's.
+    assert runs["adamw"]["test_loss"] < base_loss - 0.5, (runs["adamw"]["test_loss"], base_loss)
+    gain = {r["method"]: r["drop_in_recovered"] for r in summary["methods"]}
+    assert gain["adamw"] == pytest.approx(1.0)
+    # Training state: our 8-bit Q-GaLore at the lowest rank holds less than AdamW's fp32 gradients and state,
+    # and LoRA holds gradients and state of its adapters only.
+    state = {r["method"]: r["training_state_bytes"] for r in summary["methods"]}
+    assert state["qgalore_adamw_8bit_r4"] < state["galore_adamw_r4"] < state["adamw"]
+    assert (
+        state["lora_r16"] < state["adamw"] and runs["lora_r16"]["trainable_params"] < runs["adamw"]["trainable_params"]
+    )
+    assert (out / "finetune_clm_curves.png").stat().st_size > 10_000
+    assert len((out / "runs.jsonl").read_text().splitlines()) == len(METHODS)
+
+    checks = json.loads(_run([sys.executable, "-c", ANSWERS_ONLY, str(out / "data.pt")]).stdout)
+    assert checks["labelled"] == checks["answer_tokens"]
+    assert all(all(row.values()) for row in checks["rows"]), checks["rows"]
+    assert checks["uniform_loss"] == pytest.approx(math.log(50), rel=1e-5)
+
+    # A second invocation finds the base in the cache: no pre-training, the same files, the same base scores.
+    weights = next(cache.glob("quick-*/model.pt"))
+    written = weights.stat().st_mtime_ns
+    again = out.parent / "again"
+    second = _run([sys.executable, "benchmarks/finetune_clm.py", "--quick", "--methods", "adamw", "--out", str(again),
+                   "--base-cache", str(cache)])  # fmt: skip
+    assert "reusing" in second.stdout and "pre-training" not in second.stdout
+    repeat = json.loads((again / "finetune_clm.json").read_text())
+    assert repeat["base"]["reused"] is True and weights.stat().st_mtime_ns == written
+    assert len(list(cache.iterdir())) == 1
+    assert repeat["base_scores"] == summary["base_scores"]
+    assert repeat["runs"][0]["test_loss"] == runs["adamw"]["test_loss"]  # same base, batches and seed: same run
