@@ -28,9 +28,9 @@ datasets = pytest.importorskip("datasets")
 from hf_galore_plugin.integrations import chunked_loss  # noqa: E402
 from conftest import activation_checkpointing_field, build_tiny_llama, use_torch_twins  # noqa: E402
 
-# update_proj_gap=3: the first basis at step 0, the factors train at steps 1 and 2 (a refresh would fold them
-# into W0 at step 3, after the run).
-OPTIM_ARGS = "rank=8,update_proj_gap=3"
+# update_proj_gap=3 with every layer on one schedule (aligned): the first basis at step 0, the factors train at
+# steps 1 and 2 (a refresh would fold them into W0 at step 3, after the run).
+OPTIM_ARGS = "rank=8,update_proj_gap=3,refresh_schedule=aligned"
 
 
 @pytest.fixture(autouse=True)
