@@ -21,6 +21,7 @@ from . import NO_PATCH_ENV
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
     "PatchTarget",
+    "Required",
     "apply_patches",
     "check_transformers_version",
     "internals_missing",
@@ -112,6 +113,19 @@ class PatchTarget:
             setattr(self.owner, self.attribute, value)
 
 
+@dataclass(frozen=True)
+class Required:
+    """A method of `owner` (a class) that the patches call without replacing it: checked with the
+    targets by :func:`apply_patches`, never set."""
+
+    owner: type
+    attribute: str
+    name: str  # for errors, e.g. "transformers.Trainer._get_output_dir"
+
+    def exists(self) -> bool:
+        return self.attribute in self.owner.__dict__
+
+
 def is_marked(value: Any) -> bool:
     """Whether `value` (a function, or a static/class method wrapping one) is a replacement of this package."""
     return getattr(getattr(value, "__func__", value), "_hf_galore_plugin_patch", False)
@@ -129,15 +143,16 @@ def mark(function: Callable) -> Callable:
     return function
 
 
-def apply_patches(targets: list[PatchTarget], requires: tuple[PatchTarget, ...] = ()) -> bool:
-    """Apply every patch of `targets`, or none: each target (and each of `requires`, attributes the
-    patches call but do not replace) is checked first, and one error names every missing one with the
-    installed transformers version and the supported range; every replacement is built before the first
-    is set, and a failure while setting puts the originals back. Targets already patched are skipped
+def apply_patches(targets: list[PatchTarget], requires: tuple[Required, ...] = ()) -> bool:
+    """Apply every patch of `targets`, or none: each target (and each of `requires`) is checked first,
+    and one error names every missing one with the installed transformers version and the supported
+    range; every replacement is built before the first is set, and a failure while setting puts the
+    originals back. Targets already patched are skipped
     (idempotent). Returns True when something was patched."""
     with patch_lock:
         check_transformers_version()
-        missing = [target.name for target in (*requires, *targets) if not target.exists()]
+        checked: list[PatchTarget | Required] = [*requires, *targets]
+        missing = [target.name for target in checked if not target.exists()]
         if missing:
             raise internals_missing(", ".join(missing))
         todo = [target for target in targets if not is_marked(target.current())]

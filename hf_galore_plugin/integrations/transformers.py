@@ -21,7 +21,7 @@ from .names import (
     served_optimizer_names,
     wrap_optimizer_dispatch,
 )
-from .patching import PatchTarget, apply_patches, internals_missing, patch_lock
+from .patching import PatchTarget, Required, apply_patches, internals_missing, patch_lock
 from .saving import wrap_peft_save_pretrained, wrap_save_checkpoint, wrap_save_pretrained
 
 __all__ = [
@@ -83,12 +83,9 @@ def trainer_patch_targets(trainer_module: Any) -> list[PatchTarget]:
     return targets
 
 
-def trainer_requires(trainer_module: Any) -> tuple[PatchTarget, ...]:
+def trainer_requires(trainer_module: Any) -> tuple[Required, ...]:
     """Trainer methods the patches call without replacing them."""
-    trainer_cls = trainer_module.Trainer
-    return (
-        PatchTarget(trainer_cls, "_get_output_dir", lambda original: original, "transformers.Trainer._get_output_dir"),
-    )
+    return (Required(trainer_module.Trainer, "_get_output_dir", "transformers.Trainer._get_output_dir"),)
 
 
 def patch_trainer() -> None:
