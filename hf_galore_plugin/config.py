@@ -127,6 +127,17 @@ class GaLoreConfig:
         "'project' (transport them into the new basis), 'reset' (start the moments from zero).",
         default="keep",
     )
+    residual: bool = _help(
+        "Fira's residual (arXiv 2410.01623): also train W0 with the part of the gradient outside the subspace, "
+        "S = G - G Q Q^T (right basis; G - P P^T G left), scaled per row of the projected gradient's other "
+        "dimension by the norm ratio of the factor's Adam update to its gradient, from the previous step, and "
+        "held to at most 1.01x the previous step's norm (Fira's growth limiter). Computed in each layer's "
+        "backward from x, dy and the basis (one extra weight-sized GEMM per layer and micro-batch, no stored "
+        "m x n gradient) and applied to W0 there, at the rate of the previous optimizer step. Needs this "
+        "package's AdamW; runs in one process and under DDP (the residual is all-reduced), refused under "
+        "FSDP1, FSDP2 and DeepSpeed ZeRO.",
+        default=False,
+    )
     state_bits: int = _help("Optimizer state precision: 32 (fp32 moments) or 8 (8-bit blockwise).", default=32)
     state_block_size: int = _help("Block size of the 8-bit optimizer state (power of two).", default=256)
     error_feedback: bool = _help(
@@ -309,6 +320,16 @@ class GaLoreConfig:
                 raise bad(name, "use a power of two between 32 and 4096")
         if not isinstance(self.experts, bool):
             raise TypeError(f"GaLoreConfig.experts must be a bool, got {self.experts!r}")
+        if not isinstance(self.residual, bool):
+            raise TypeError(f"GaLoreConfig.residual must be a bool, got {self.residual!r}")
+        if self.residual and self.proj_type == "full":
+            # Fira scales the residual along the projected gradient's dimension that no basis cuts.
+            raise bad("proj_type", "residual=True scales per row of the side no basis projects: use 'std', "
+                      "'reverse_std', 'left' or 'right', or residual=False")  # fmt: skip
+        if self.residual and self.experts:
+            raise bad(
+                "experts", "residual=True is not implemented for expert stacks: set experts=False or residual=False"
+            )
         if self.expert_rank < 1:
             raise bad("expert_rank", "use a positive rank, e.g. expert_rank=16")
         if not isinstance(self.chunked_loss, bool):

@@ -16,6 +16,7 @@ __all__ = [
     "CAPABILITIES",
     "UnsupportedByEngine",
     "check_moment_handling",
+    "check_residual",
     "check_state_offload",
 ]
 
@@ -46,10 +47,16 @@ class EngineCapabilities:
     # Why state_offload='cpu' is refused, and what to use instead (empty where it runs).
     state_offload_reason: str = ""
     state_offload_alternative: str = ""
+    # Why residual=True (Fira's residual, written into W0 in each layer's backward) is refused (empty where it runs).
+    residual_reason: str = ""
 
 
 _ZERO_REASON = "the moments of one factor are spread over ZeRO's flat partitions"
 _ZERO_OFFLOAD_REASON = "ZeRO owns the optimizer state of its flat fp32 partitions and steps them itself"
+_ZERO_RESIDUAL_REASON = (
+    "the residual needs each factor's own Adam update from this package's AdamW, while ZeRO steps flat fp32 "
+    "partitions itself, and ZeRO-3 partitions W0, which the residual writes in the backward"
+)
 _ZERO_OFFLOAD_ALTERNATIVE = (
     'DeepSpeed\'s own optimizer offload: "zero_optimization": {"offload_optimizer": '
     '{"device": "cpu", "pin_memory": true}} in the DeepSpeed config'
@@ -69,6 +76,7 @@ def _zero(label: str, factor_layout: str, *, refresh_gather: str = "none") -> En
         project_reason=_ZERO_REASON,
         state_offload_reason=_ZERO_OFFLOAD_REASON,
         state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
+        residual_reason=_ZERO_RESIDUAL_REASON,
     )
 
 
@@ -101,6 +109,10 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
             "1-D slices of a flat shard"
         ),
         project_alternative="FSDP2 (fully_shard / accelerate fsdp_version: 2)",
+        residual_reason=(
+            "the residual is written into W0 in the backward, where FSDP1 holds an unsharded copy it discards, "
+            "and the optimizer sees the factor as a 1-D slice whose Adam update has no rows"
+        ),
     ),
     "fsdp2": EngineCapabilities(
         label="FSDP2",
@@ -115,6 +127,10 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
         state_offload_alternative=(
             "FSDP2's own CPUOffloadPolicy (fully_shard(..., offload_policy=CPUOffloadPolicy()), or accelerate's "
             "fsdp_offload_params: true), which keeps parameters, gradients and optimizer state on the host"
+        ),
+        residual_reason=(
+            "the residual is written into W0 in the backward, where FSDP2 holds an all-gathered copy of the "
+            "sharded W0 it frees after the layer"
         ),
     ),
     "zero1": _zero("DeepSpeed ZeRO-1", "whole 2-D parameters; fp32 master and optimizer state in flat partitions"),
@@ -147,6 +163,20 @@ def check_moment_handling(
     raise UnsupportedByEngine(
         f"{subject}: moment_handling='project'{scope} is not supported under {caps.label}: {caps.project_reason}. "
         f"Use moment_handling='keep' (the default) or 'reset'{alternative}."
+    )
+
+
+def check_residual(engine: str, *, residual: bool, layer: Optional[str] = None) -> None:
+    """Raise :class:`UnsupportedByEngine` when `engine` cannot run ``residual=True`` (Fira's residual)."""
+    if engine not in CAPABILITIES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    caps = CAPABILITIES[engine]
+    if not residual or not caps.residual_reason:
+        return
+    subject = f"GaLore layer {layer!r}" if layer is not None else "GaLore"
+    raise UnsupportedByEngine(
+        f"{subject}: residual=True is not supported under {caps.label}: {caps.residual_reason}. Use residual=False, "
+        "or train in one process or under DDP."
     )
 
 

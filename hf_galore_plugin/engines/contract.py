@@ -7,11 +7,17 @@ B at zero and sets new bases. It talks to one object, the *refresh optimizer*: a
 protocols below is optional (each is looked up on its own: an adapter may offer ``reset_state`` but
 not ``transform_state``); the functions of this module are the only place that checks for them,
 and they define what happens when one is absent.
+
+The residual mode (``GaLoreConfig.residual``) needs one thing the other way round: the factor's Adam update
+of every step, which only the optimizer has. A layer registers itself as the :class:`UpdateObserver` of its
+factor (:func:`observe_updates`); an optimizer that reports updates (``hf_galore_plugin.optim.AdamW``) looks
+the observer up (:func:`update_observer`) and calls it after each step of that parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, ContextManager, Optional, Protocol, runtime_checkable
 
 import torch
@@ -21,11 +27,15 @@ __all__ = [
     "StateOptimizer",
     "EngineAdapter",
     "MomentTransform",
+    "UpdateObserver",
     "gathered_parameters",
     "gathers_parameters",
+    "has_update_observers",
+    "observe_updates",
     "param_changed",
     "reset_state",
     "transform_state",
+    "update_observer",
 ]
 
 MomentTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -101,3 +111,45 @@ def transform_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, fn: M
     exp_avg, exp_avg_sq = fn(state["exp_avg"].float(), state["exp_avg_sq"].float())
     state["exp_avg"].copy_(exp_avg)
     state["exp_avg_sq"].copy_(exp_avg_sq)
+
+
+class UpdateObserver(Protocol):
+    """What a layer in residual mode asks of the optimizer of its factor: each step's Adam update."""
+
+    def check_optimized(self, param: torch.Tensor) -> None:
+        """Raise when `param`, as the optimizer holds it, cannot serve the observer (an engine's 1-D slice or
+        DTensor shard of the factor): called when the optimizer takes the parameter, so a refusal comes first."""
+
+    def observe_update(self, grad: torch.Tensor, update: torch.Tensor, lr: float) -> None:
+        """After a step of the factor: its gradient, its Adam update m_hat / (sqrt(v_hat) + eps) (fp32, without
+        the learning rate and the weight decay) and the learning rate the step used. Tensor ops only: no sync."""
+
+
+# id(param) -> (the parameter, its observer), both weakly: the registry keeps neither a model nor a layer alive,
+# and an entry whose parameter was freed (or whose id was reused by another tensor) answers None.
+_OBSERVERS: dict[int, tuple["weakref.ref[torch.Tensor]", "weakref.ref[UpdateObserver]"]] = {}
+
+
+def observe_updates(param: torch.Tensor, observer: UpdateObserver) -> None:
+    """Make `observer` the one that optimizers reporting updates call after each step of `param`."""
+    key = id(param)
+
+    def forget(_: object) -> None:
+        entry = _OBSERVERS.get(key)
+        if entry is not None and entry[0]() is None:
+            del _OBSERVERS[key]
+
+    _OBSERVERS[key] = (weakref.ref(param, forget), weakref.ref(observer))
+
+
+def has_update_observers() -> bool:
+    """Whether any parameter has an observer (one dict check: an optimizer step without any looks nothing up)."""
+    return bool(_OBSERVERS)
+
+
+def update_observer(param: torch.Tensor) -> Optional[UpdateObserver]:
+    """The observer of `param` registered with :func:`observe_updates`, or None."""
+    entry = _OBSERVERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()

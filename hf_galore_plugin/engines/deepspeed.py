@@ -29,7 +29,7 @@ from torch import nn
 
 from ..state import state_of
 from ..utils import require
-from .capabilities import check_moment_handling, check_state_offload
+from .capabilities import check_moment_handling, check_residual, check_state_offload
 
 __all__ = ["DeepSpeedGaLoreOptimizer", "is_zero3_partitioned", "zero3_gathered", "import_deepspeed"]
 
@@ -91,6 +91,7 @@ class DeepSpeedGaLoreOptimizer:
         config = state.config
         check_moment_handling(f"zero{self.zero_stage}", moment_handling=config.moment_handling)
         check_state_offload(f"zero{self.zero_stage}", state_offload=config.state_offload)
+        check_residual(f"zero{self.zero_stage}", residual=config.residual)
         self._layers = {
             id(m.galore_factor): m
             for m in model.modules()

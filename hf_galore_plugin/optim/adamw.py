@@ -31,6 +31,10 @@ Step counts: the bias correction needs each parameter's count as a Python number
 a host copy of every "step" tensor it advances (not in the state, which stays as torch's), trusted
 while the tensor's version counter shows no other write, so an ordinary step reads no tensor value:
 no device sync wherever the counts live (tests/test_optim_step_overhead.py counts them).
+Update observers (`engines.contract.observe_updates`: GaLore layers with ``residual=True``): after a step, a
+parameter with an observer hands it its gradient, its Adam update m_hat / (sqrt(v_hat) + eps) recomputed from
+the new moments (8-bit ones dequantized) and the group's lr of the step. Without any observer registered in
+the process the step looks nothing up (one dict check per step).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Any
 import torch
 
 from hf_galore_plugin.engines.collectives import from_local, is_dtensor, local_shard, one_row_per_shard
+from hf_galore_plugin.engines.contract import has_update_observers, update_observer
 from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, dequantize_moment, quantize_moment
 from hf_galore_plugin.optim.functional import (
     EIGHT_BIT_STATE_KEYS,
@@ -312,6 +317,12 @@ class AdamW(torch.optim.Optimizer):
         _validate_group(group)
         if group["state_offload"] == "cpu" and any(is_dtensor(p) for p in group["params"]):
             _refuse_dtensor_offload()
+        if has_update_observers():
+            # The observer refuses here, when the optimizer is built, a parameter it cannot serve.
+            for param in group["params"]:
+                observer = update_observer(param)
+                if observer is not None:
+                    observer.check_optimized(param)
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         # The step counter is a host scalar for every parameter, offloaded or not.
@@ -395,6 +406,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         fused_enabled = _fused_enabled()
+        observing = has_update_observers()
         for group in self.param_groups:
             fused: dict[torch.device, _FusedBatch] = {}
             streamed: dict[torch.device, list] = {}
@@ -403,6 +415,8 @@ class AdamW(torch.optim.Optimizer):
             # (param, step tensor, new count) of each parameter stepped; the tensors advance in one call
             # before the fused kernel and the offloaded updates read them.
             advanced: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+            # (observer, local tensor, gradient, state, step count) of each stepped parameter with an observer.
+            observed: list[tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any], int]] = []
             offload = group["state_offload"] == "cpu"
             for param in group["params"]:
                 grad = param.grad
@@ -423,6 +437,10 @@ class AdamW(torch.optim.Optimizer):
                 advanced.append((param, state["step"], step))
                 if local.numel() == 0:
                     continue
+                if observing:
+                    observer = update_observer(param)
+                    if observer is not None:
+                        observed.append((observer, local, grad, state, step))
                 if offload:
                     chunks = self._offloaded_chunks(local, grad, state, group, step, fused_enabled)
                     streamed.setdefault(local.device, []).extend(chunks)
@@ -458,6 +476,8 @@ class AdamW(torch.optim.Optimizer):
                 if device not in self._streamers:
                     self._streamers[device] = StateStreamer(device, self._chunk_bytes)
                 self._streamers[device].run(chunks)
+            for observer, local, grad, state, step in observed:
+                observer.observe_update(grad, _adam_update(local, state, group, step), float(group["lr"]))
         return loss
 
     def _offloaded_chunks(
@@ -641,6 +661,34 @@ def _transform(
     _check_shape(*new_values, local_shape)
     for (codes, scales, residual, _), value in zip(moments, new_values):
         quantize_moment(value.float().reshape(-1), codes, scales, residual, block_size=block_size)
+
+
+def _adam_update(local: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int) -> torch.Tensor:
+    """The Adam update of `local`'s last step (its `step`-th), m_hat / (sqrt(v_hat) + eps) without lr and weight
+    decay, as `adamw_step_fp32` forms it, from the new moments (fp32; 8-bit ones dequantized, residuals included),
+    on `local`'s device in its shape."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    if "exp_avg" in state:
+        exp_avg, exp_avg_sq = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
+    else:
+        block_size = state["block_size"]
+        n_blocks = math.ceil(local.numel() / block_size)
+
+        def moment(name: str) -> torch.Tensor:
+            def flat(key: str) -> torch.Tensor:
+                view = local_shard(state[key]).view(-1)
+                return view[:n_blocks] if key.endswith("scales") else view
+
+            residual = None
+            if f"{name}_residual_codes" in state:
+                residual = (flat(f"{name}_residual_codes"), flat(f"{name}_residual_scales"))
+            value = dequantize_moment(flat(f"{name}_codes"), flat(f"{name}_scales"), residual, block_size=block_size)
+            return value.view(local.shape)
+
+        exp_avg, exp_avg_sq = moment("exp_avg"), moment("exp_avg_sq")
+    exp_avg, exp_avg_sq = exp_avg.to(local.device), exp_avg_sq.to(local.device)
+    denom = (exp_avg_sq.sqrt() / (1.0 - beta2**step) ** 0.5).add_(float(group["eps"]))
+    return (exp_avg / denom).div_(1.0 - beta1**step)
 
 
 def _check_shape(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, shape: torch.Size) -> None:
