@@ -195,13 +195,15 @@ def galore_linear(
     alpha: float | torch.Tensor,
     scale: float,
     record: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+    residual: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
 ) -> torch.Tensor:
     """One GaLore layer's output for input `x` (..., n).
 
     `factor` is B (trainable); `weight` is W0 when it is a plain tensor (None: stored quantized, read with
     `read_weight(dtype)`); the bases `p` (m x r) and `q` (n x r) are in the compute dtype, or None;
     `alpha` and `scale` are Python floats (`alpha` a 0-d tensor in traced code). `record`, given on a step that records a refresh, is called
-    with (dy, x) as 2-D tensors when the output's gradient arrives.
+    with (dy, x) as 2-D tensors when the output's gradient arrives. `residual` (residual mode) is called with
+    the same once the node that reads W0 has run its backward (a post hook of that node), so it may write W0.
     """
     if weight is None and not isinstance(alpha, torch.Tensor):
         dtype = (p if p is not None else q if q is not None else x).dtype
@@ -210,6 +212,8 @@ def galore_linear(
         y = DequantizedBaseLinear.apply(x, factor, bias, read_weight, p, q, alpha, scale, dtype)
         if record is not None and y.requires_grad:
             y.register_hook(lambda dy: record(dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])))
+        if residual is not None and y.requires_grad:
+            _after_backward(y, residual, x.reshape(-1, x.shape[-1]))
         return y
     x2 = x.reshape(-1, x.shape[-1])
     h = x2 if q is None else x2 @ q
@@ -231,4 +235,20 @@ def galore_linear(
         y = torch.addmm(h, x2, weight.mT, alpha=alpha)
     if record is not None and y.requires_grad:
         y.register_hook(lambda dy: record(dy, x2))
+    if residual is not None and y.requires_grad:
+        _after_backward(y, residual, x2)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _after_backward(y: torch.Tensor, residual: Callable[[torch.Tensor, torch.Tensor], None], x2: torch.Tensor) -> None:
+    """Call ``residual(dy, x2)`` (dy 2-D) after the backward of the node that made `y`: the one node that reads
+    W0, so W0 may change once it has run (before, autograd would find a saved W0 modified, and dX would see the
+    new W0)."""
+    node = y.grad_fn
+    assert node is not None
+
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        dy = grad_outputs[0]
+        residual(dy.reshape(-1, dy.shape[-1]), x2)
+
+    node.register_hook(hook)

@@ -20,10 +20,16 @@ step t is used from step t+1 (one-step subspace lag; GaLore uses it at step t al
 calibration step for GaLore layers: their basis is still zero, so the factor receives a zero
 gradient (only weight decay applies), the gradient of step 0 gives the first basis, and the
 factor's optimizer state is reset so step 1 is Adam's first real step.
+
+Residual mode (``GaLoreConfig.residual``, Fira: Chen et al. 2024, arXiv 2410.01623) also trains W0 with the
+part of the gradient the basis leaves out, S = G - G Q Q^T (right basis; G - P P^T G left), without ever
+storing G: the layer's backward computes it from x, dy and the basis and writes it into W0 (see
+:meth:`GaLoreLinear._apply_residual` for the rule, the lag and what gradient accumulation changes).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import warnings
 from typing import TYPE_CHECKING, Callable, Optional
@@ -33,13 +39,23 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
-from ..engines.collectives import from_local, full_tensor, is_dtensor, local_shard, same_layout, shard_like
+from ..engines.capabilities import check_residual
+from ..engines.collectives import (
+    all_reduce_mean,
+    from_local,
+    full_tensor,
+    is_dtensor,
+    local_shard,
+    same_layout,
+    shard_like,
+)
+from ..engines.contract import observe_updates, update_observer
 from ..projection import resolve_sides
 from . import refresh as _refresh_mod
 from . import schedule as _schedule
 from .function import galore_linear
 from .schedule import StepClock
-from .storage import StoredTensor
+from .storage import StoredTensor, stochastic_round_to_bf16
 
 __all__ = ["GaLoreLinear"]
 
@@ -104,6 +120,13 @@ COUNTER_NAMES = (
     "galore_phase",
 )
 
+# Fira's norm-growth limiter (arXiv 2410.01623, Sec. 4.2): the scaled residual's norm may grow by at most this
+# factor from one step to the next; a sudden jump of the gradient outside the subspace (a loss spike) is held back.
+RESIDUAL_GROWTH_LIMIT = 1.01
+# Added to the projected gradient's row norms in the residual's scaling ratio (Fira's own 1e-8): a row without
+# gradient gets ratio 0, not NaN.
+_RESIDUAL_NORM_EPS = 1e-8
+
 
 class GaLoreLinear(nn.Module):
     """Drop-in replacement of an ``nn.Linear`` whose weight is trained by GaLore / Q-GaLore.
@@ -138,6 +161,18 @@ class GaLoreLinear(nn.Module):
     galore_seed: torch.Tensor
     galore_rng_counter: torch.Tensor
     galore_phase: torch.Tensor
+    # Residual mode (config.residual, one-sided basis): the previous step's scaling ratio per row of the projected
+    # gradient's unprojected dimension, the learning rate of that step, and the (limited) norm of that step's
+    # scaled residual, for the growth limiter (NaN rate: no step observed yet; inf norm: no residual applied yet,
+    # nothing to limit against, as at Fira's first step).
+    galore_residual_ratio: torch.Tensor
+    galore_residual_rate: torch.Tensor
+    galore_residual_norm: torch.Tensor
+    # The basis side the residual is taken against; None: no residual (off, or no computed basis, where it is
+    # zero). Class defaults, so a layer kind that does not set up the residual (expert stacks) has none.
+    _residual_side: Optional[str] = None
+    # Whether a step of the factor has been observed since the first basis (the ratio to lag exists).
+    _residual_ready = False
 
     def __init__(self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0) -> None:
         super().__init__()
@@ -166,6 +201,7 @@ class GaLoreLinear(nn.Module):
         self._init_storage(config, weight, device)
 
         self._init_step_state(config, layer_index, device, base_is_meta=weight.is_meta)
+        self._init_residual(config, device)
 
     def _init_storage(self, config: GaLoreConfig, weight: torch.Tensor, device: torch.device) -> None:
         """W0 and the bases' storage, for a weight of this layer's shape (an expert stack's: E stacked maps)."""
@@ -279,6 +315,183 @@ class GaLoreLinear(nn.Module):
         StepClock.generation += 1
         self.register_state_dict_pre_hook(_write_lazy_buffers)
 
+    # ------------------------------------------------------------------ residual mode (Fira)
+    def _init_residual(self, config: GaLoreConfig, device: torch.device) -> None:
+        """The residual's state (config.residual), for a layer with one computed basis: config validation
+        refuses two (``proj_type='full'``), and with none the subspace is the whole space and the residual zero."""
+        sides = self._basis_sides()
+        if not config.residual or len(sides) != 1:
+            return
+        side = sides[0][0]
+        self._residual_side = side
+        # Fira scales the residual per row of the projected gradient's dimension that the basis does not cut:
+        # R = G Q (m x r) has one per output row of W, R = P^T G (r x n) one per input column.
+        dim = self.out_features if side == "right" else self.in_features
+        self.register_buffer("galore_residual_ratio", torch.zeros(dim, dtype=torch.float32, device=device))
+        self.register_buffer("galore_residual_rate", torch.tensor(float("nan"), dtype=torch.float32, device=device))
+        self.register_buffer("galore_residual_norm", torch.tensor(float("inf"), dtype=torch.float32, device=device))
+        # This step's sum of the norms of the residuals applied so far (one per micro-batch): a 0-d tensor.
+        self._residual_applied: Optional[torch.Tensor] = None
+        self._residual_warned = False
+        observe_updates(self.galore_factor, self)
+
+    def _reset_residual(self) -> None:
+        if self._residual_side is None:
+            return
+        self.galore_residual_ratio.zero_()
+        self.galore_residual_rate.fill_(float("nan"))
+        self.galore_residual_norm.fill_(float("inf"))
+        self._residual_ready = False
+        self._residual_applied = None
+        observe_updates(self.galore_factor, self)
+
+    def check_optimized(self, param: torch.Tensor) -> None:
+        """Refuse, when an optimizer takes the factor, an engine's view of it whose Adam update has no rows
+        (:class:`~hf_galore_plugin.engines.contract.UpdateObserver`)."""
+        if is_dtensor(param):
+            check_residual("fsdp2", residual=True)
+        if hasattr(param, "ds_id"):
+            check_residual("zero3", residual=True)
+        expected = (self.left_rank or self.out_features, self.right_rank or self.in_features)
+        if tuple(param.shape) != expected:
+            if param.dim() == 1:
+                check_residual("fsdp1", residual=True)
+            raise ValueError(
+                f"GaLore layer {self.out_features}x{self.in_features} (residual=True): the optimizer holds its factor "
+                f"with shape {tuple(param.shape)}, expected {expected}; build the optimizer on the model's own "
+                "parameters (hf_galore_plugin.create_optimizer)"
+            )
+
+    @torch.no_grad()
+    def observe_update(self, grad: torch.Tensor, update: torch.Tensor, lr: float) -> None:
+        """Record the scaling ratio of the residual the next step applies, from this step of the factor
+        (:class:`~hf_galore_plugin.engines.contract.UpdateObserver`).
+
+        Fira's ratio per row i (right basis; per column left): phi_i = ||psi(R)_i|| / ||R_i||, psi(R) the Adam
+        update of the projected gradient R = G Q. The factor's gradient is scale * R (the scale is in the
+        branch), and Adam's update of it is psi(R) (the group's eps is eps * scale), so R's norms are the
+        gradient's divided by the scale. Also closes the step for the growth limiter."""
+        if not self.calibrated:
+            return  # before its first basis the factor's gradient is zero: there is no ratio to lag
+        dim = 1 if self._residual_side == "right" else 0
+        grad_norms = torch.linalg.vector_norm(grad.to(torch.float32), dim=dim).div_(self.scale).add_(_RESIDUAL_NORM_EPS)
+        self.galore_residual_ratio.copy_(torch.linalg.vector_norm(update, dim=dim).div_(grad_norms))
+        self.galore_residual_rate.fill_(lr)
+        if self._residual_applied is not None:
+            self.galore_residual_norm.copy_(self._residual_applied)
+            self._residual_applied = None
+        self._residual_ready = True
+
+    def _residual_hook(self, dtype: torch.dtype) -> Optional[Callable[[torch.Tensor, torch.Tensor], None]]:
+        """This forward's residual step for the backward (None before the first ratio), from the compute `dtype`."""
+        if update_observer(self.galore_factor) is not self:
+            observe_updates(self.galore_factor, self)  # a copied layer, or a factor a load replaced
+        if dtype == torch.float16:
+            raise ValueError(
+                "GaLoreConfig.residual=True does not support float16 compute: the residual is written into W0 in the "
+                "backward, where float16 gradients are still multiplied by the loss scale (GradScaler); use "
+                "bfloat16 or float32, or residual=False"
+            )
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "GaLoreConfig.residual=True runs in eager mode only (its backward hook writes W0); do not compile the "
+                "model, or use residual=False"
+            )
+        if not self._residual_ready:
+            counts = self._counts
+            if (
+                self.calibrated
+                and not self._residual_warned
+                and self.counter("galore_step") > counts["galore_last_refresh"] + 2
+            ):
+                self._residual_warned = True
+                warnings.warn(
+                    f"GaLore layer {self.out_features}x{self.in_features} (residual=True): its optimizer has not "
+                    "reported a step of the factor since the first basis, so no residual is applied. Build the "
+                    "optimizer with hf_galore_plugin.create_optimizer (its AdamW reports the Adam update); the "
+                    "residual runs in one process and under DDP only",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        return self._apply_residual
+
+    @torch.no_grad()
+    def _apply_residual(self, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """W0 <- W0 - rate * c * phi S / alpha for this micro-batch (dy: N x m, x: N x n), run once the layer's
+        backward has used W0 (dX).
+
+        S = dy^T x - (dy^T x Q) Q^T = dy^T (x - x Q Q^T) (right basis; (dy - dy P P^T)^T x left), formed in fp32
+        as one m x n GEMM and averaged over data-parallel ranks (DDP averages gradients so). phi: the ratio
+        the previous optimizer step recorded (:meth:`observe_update`), on S's rows (right; columns left), folded
+        into dy's (x's) columns before the GEMM. rate: that step's learning rate. c: Fira's growth limiter.
+        alpha: W0's decay multiplier, since the layer computes with alpha * W0.
+
+        Lag: Fira computes phi from the same step's Adam update, which exists only after this backward; the
+        previous step's is the one the backward can apply, per micro-batch, without keeping S. Likewise the
+        rate: the previous step's, as that step used it (GaLoreCallback's lr_scale included). With a scheduler
+        the residual of step t moves at lr_{t-1}, a relative error of |lr_{t-1} / lr_t - 1| (none at a
+        constant rate).
+
+        Gradient accumulation: phi and rate are the same for every micro-batch of a step, so the residuals
+        applied add up to the residual of the step's summed gradient, with two differences. (1) The limiter is
+        not linear. Fira's caps ||phi S|| at 1.01 times the previous step's; here each micro-batch k gets
+        c_k = min(1, (1.01 N_prev - A_{k-1}) / ||phi S_k||), A_k = A_{k-1} + c_k ||phi S_k||, and N_prev of the
+        next step is A_K: the norm of what a step applies stays within 1.01 N_prev (triangle inequality), the
+        step equals the summed residual's exactly whenever the sum of the micro-batch norms is within it (with
+        one micro-batch, always: Fira's limiter), and otherwise it is cut more than Fira's by at most the ratio
+        sum_k ||phi S_k|| / ||sum_k phi S_k||. (2) Later micro-batches run their forward with W0 already moved
+        by the earlier ones' residuals: their gradients differ from those at the step's starting weights by
+        the change of the gradient over a move of at most rate * 1.01 N_prev / alpha, second order in the rate.
+        """
+        weight = self.weight
+        if weight is not None and is_dtensor(weight):
+            check_residual("fsdp2", residual=True)
+        if weight is not None and hasattr(weight, "ds_id"):
+            check_residual("zero3", residual=True)
+        side = self._residual_side
+        assert side is not None
+        # The stored basis carries the scale (scale * Q, see _set_basis): x Q Q^T = (x Qs) Qs^T / scale^2.
+        basis = self._step_bases(torch.float32)[0 if side == "left" else 1]
+        assert basis is not None
+        dy32, x32 = dy.to(torch.float32), x.to(torch.float32)
+        ratio, unfold = self.galore_residual_ratio, -1.0 / self.scale**2
+        if side == "right":
+            outside = torch.addmm(x32, x32 @ basis, basis.mT, alpha=unfold)
+            scaled = (dy32 * ratio).mT @ outside
+        else:
+            outside = torch.addmm(dy32, dy32 @ basis, basis.mT, alpha=unfold)
+            scaled = outside.mT @ (x32 * ratio)
+        del outside
+        scaled = all_reduce_mean(scaled)
+        norm = torch.linalg.vector_norm(scaled)
+        # c = min(1, room / norm), 0 once the room is spent; room = inf before the first residual step (no limit).
+        applied = self._residual_applied
+        room = self.galore_residual_norm * RESIDUAL_GROWTH_LIMIT
+        if applied is not None:
+            room = room - applied
+        limit = (room / norm.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(0.0, 1.0)
+        self._residual_applied = limit * norm if applied is None else applied + limit * norm
+        self._write_residual(scaled, limit * self.galore_residual_rate, 1.0 / self._alpha)
+
+    def _write_residual(self, scaled: torch.Tensor, step: torch.Tensor, unscale: float) -> None:
+        """W0 <- W0 - step * unscale * scaled (`step` a 0-d tensor: no host read). A quantized W0 is stored again, a
+        bf16 one rounded, both stochastically with config.stochastic_rounding, so that updates below a rounding
+        step are not lost (Q-GaLore's reason for stochastic rounding of its int8 weights)."""
+        weight = self.weight
+        if weight is None:
+            value = self.base_weight(torch.float32)  # a fresh dequantized copy
+            # No quantization error measured here (a host read per layer and micro-batch); the refresh's fold
+            # measures it.
+            self._store_weight(value.addcmul_(scaled, step, value=-unscale), measure=False)
+        elif weight.dtype == torch.float32:
+            weight.addcmul_(scaled, step, value=-unscale)
+        else:
+            value = weight.to(torch.float32).addcmul_(scaled, step, value=-unscale)
+            if weight.dtype == torch.bfloat16 and self.config.stochastic_rounding:
+                value = stochastic_round_to_bf16(value, self._next_generator(value.device))
+            weight.copy_(value)
+
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()
     def reset_galore_state(self) -> None:
@@ -306,6 +519,7 @@ class GaLoreLinear(nn.Module):
         self._set_counter("galore_rng_counter", 0)
         self._set_counter("galore_phase", self._phase)
         self._pending_grad = None
+        self._reset_residual()
         self._update_refresh_due()
         self._built_on_meta = False
 
@@ -391,8 +605,12 @@ class GaLoreLinear(nn.Module):
 
         ``galore_step``'s buffer is written when the layer's state is read out (``state_dict()``, a
         refresh), not at every step: here it is taken only if it holds another value than the layer last
-        wrote to it (a direct write); a load always takes it."""
+        wrote to it (a direct write); a load always takes it. A phase written this way stands: the packing
+        at the first training forward (:func:`~.schedule.assign_refresh_phases`) is cancelled."""
+        phase = self._counts["galore_phase"]
         self._read_counter_buffers(loaded=False)
+        if self._counts["galore_phase"] != phase:
+            _schedule.keep_refresh_phases([self])
 
     @torch.no_grad()
     def _read_counter_buffers(self, *, loaded: bool) -> None:
@@ -436,12 +654,14 @@ class GaLoreLinear(nn.Module):
         self._add_counter("galore_rng_counter")
         return generator
 
-    def _store_weight(self, value: torch.Tensor) -> None:
+    def _store_weight(self, value: torch.Tensor, *, measure: bool = True) -> None:
         """Quantize `value` into W0's buffers; stochastically rounded (config.stochastic_rounding) once the
-        layer has its random stream, i.e. for every W0 but the one it was built from."""
+        layer has its random stream, i.e. for every W0 but the one it was built from. `measure`: record the
+        quantization error (a host read)."""
         stochastic = self.config.stochastic_rounding and hasattr(self, "galore_seed")
         assert self._weight_store is not None, "W0 is a plain parameter: assign it, there is nothing to quantize"
-        self._weight_store.store(value, generator=self._next_generator(value.device) if stochastic else None)
+        generator = self._next_generator(value.device) if stochastic else None
+        self._weight_store.store(value, generator=generator, measure=measure)
 
     def base_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """W0 (without the decay multiplier) in `dtype`; a fresh dequantized copy for int8/NF4."""
@@ -562,6 +782,7 @@ class GaLoreLinear(nn.Module):
         alpha = self.base_multiplier if torch.compiler.is_compiling() else self._alpha
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         p, q = self._step_bases(dtype)
+        residual = self._residual_hook(dtype) if self._residual_side is not None else None
         return galore_linear(
             x,
             self.galore_factor,
@@ -573,6 +794,7 @@ class GaLoreLinear(nn.Module):
             alpha,
             self._branch_scale,
             self._record_gradient if self.refresh_due else None,
+            residual,
         )
 
     def _weight_value(self, dtype: torch.dtype) -> torch.Tensor:
@@ -663,11 +885,14 @@ class GaLoreLinear(nn.Module):
 
         The hook for whatever assigns phases: :func:`~.schedule.assign_refresh_phases` at preparation and
         on a resume with other settings, and the memory planner, which stages which layers refresh on its
-        traced steps. Host copies and buffers are written together (no device sync)."""
+        traced steps. Host copies and buffers are written together (no device sync). The phase set stands:
+        a packing waiting for the first training forward (:func:`~.schedule.assign_refresh_phases`, which
+        sets its phases through here after cancelling it) is cancelled."""
         if phase < 0:
             raise ValueError(f"refresh phase must be >= 0, got {phase}")
         if gap is not None and gap < 1:
             raise ValueError(f"refresh gap must be >= 1, got {gap}")
+        _schedule.keep_refresh_phases([self])
         self._set_counter("galore_phase", phase)
         self._phase = phase
         if gap is not None:
@@ -774,6 +999,26 @@ class GaLoreLinear(nn.Module):
         # the Trainer integration's resumes, torch.distributed.checkpoint's set_model_state_dict.
         self._read_counter_buffers(loaded=True)
         self._pending_grad = None
+        self._load_residual(state_dict, prefix, missing_keys, unexpected_keys)
+
+    _RESIDUAL_BUFFERS = ("galore_residual_ratio", "galore_residual_rate", "galore_residual_norm")
+
+    def _load_residual(self, state_dict, prefix: str, missing_keys: list[str], unexpected_keys: list[str]) -> None:
+        # A state saved with the other residual setting loads: a run may turn the residual on or off at a resume
+        # (turned on, it starts as at the first basis: no ratio until a step is observed).
+        names = [prefix + name for name in self._RESIDUAL_BUFFERS]
+        if self._residual_side is None:
+            unexpected_keys[:] = [key for key in unexpected_keys if key not in names]
+            return
+        if any(key in missing_keys for key in names):
+            missing_keys[:] = [key for key in missing_keys if key not in names]
+            self._reset_residual()
+            return
+        self._residual_applied = None
+        observe_updates(self.galore_factor, self)  # the load may have assigned a new factor
+        rate = self.galore_residual_rate
+        if not (rate.is_meta or is_fake(rate)):
+            self._residual_ready = not math.isnan(float(rate))  # a load syncs anyway
 
     def _load_folded_scale(self, state_dict, prefix: str, missing_keys: list[str]) -> None:
         # A basis came with the load: it carries the multiplier the state dict recorded, or, where it recorded

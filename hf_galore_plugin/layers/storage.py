@@ -106,15 +106,16 @@ class StoredTensor:
             generator=generator,
         )
 
-    def store(self, value: torch.Tensor, *, generator: Optional[torch.Generator] = None) -> None:
+    def store(self, value: torch.Tensor, *, generator: Optional[torch.Generator] = None, measure: bool = True) -> None:
         """Write `value`: as is (cast to the storage dtype), or quantized, stochastically rounded with
-        `generator` when one is given. Measures the quantization error unless `value` is on the meta device."""
+        `generator` when one is given. Measures the quantization error unless `value` is on the meta device or
+        `measure` is False (the measure reads a value to the host: a device sync)."""
         if not self.quantized:
             assign_buffer(self.module, self.name, value if self.dtype is None else value.to(self.dtype))
             return
         qt = self._quantize(value, generator)
         # Measured here, where the exact value is at hand, so logging it costs nothing later.
-        if not value.is_meta:
+        if measure and not value.is_meta:
             self.error = _relative_rms(qt.dequantize(torch.float32), value.to(torch.float32))
         tensors, self.meta = qt.to_state()
         for part, tensor in tensors.items():

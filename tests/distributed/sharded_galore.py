@@ -58,6 +58,7 @@ def build_model(preset: str, proj_type: str) -> nn.Module:
         refresh_schedule=os.environ.get("REFRESH_SCHEDULE", "aligned"),
         refresh_budget_mb=float(os.environ["REFRESH_BUDGET_MB"]) if "REFRESH_BUDGET_MB" in os.environ else None,
         state_offload=os.environ.get("STATE_OFFLOAD", "none"),
+        residual=os.environ.get("RESIDUAL") == "1",
     )
     return prepare_model(model, config)
 
@@ -67,6 +68,14 @@ def batches(rank: int, world: int):
     for _ in range(STEPS):
         x = torch.randn(GLOBAL_BATCH, 16, generator=gen)
         y = torch.sin(x[:, :8] * 2)
+        if os.environ.get("RESIDUAL") == "1":
+            # The residual moves W0 after each micro-batch: the ranks' k-th micro-batches together must be the one
+            # process's k-th, so that both runs take the same micro-steps.
+            micro = GLOBAL_BATCH // ACCUMULATION
+            share = micro // world
+            parts = [slice(k * micro + rank * share, k * micro + (rank + 1) * share) for k in range(ACCUMULATION)]
+            yield [(x[part], y[part]) for part in parts]
+            continue
         local = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
         yield list(zip(x[local].chunk(ACCUMULATION), y[local].chunk(ACCUMULATION)))
 
