@@ -5,6 +5,7 @@
     python benchmarks/step_overhead.py --size h1024 --rank 256 --batch 4 --seq-len 256 --threads 2
     python benchmarks/step_overhead.py --compile  # every model through torch.compile (the step stays eager)
     python benchmarks/step_overhead.py --device cuda   # on a GPU: CPU time = the host work the GPU waits for
+    python benchmarks/step_overhead.py --residual # each preset also with residual=True (Fira), side by side
 
 At small shapes a step is dominated by per-op, per-layer host work (Python, the dispatcher, kernel
 launches); on a GPU that host work is what the device waits for. Three measures that do not move with
@@ -46,6 +47,8 @@ OURS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 # The least an eager layer of each kind can do per step (benchmarks/_floor.py): how far each preset is from it.
 FLOORS = ("floor_lowrank", "floor_quantized")
 METHODS = ("adamw_fused", "galore_torch", *OURS, *FLOORS)
+# --residual: a row "<preset>+residual" after each preset's, the preset with GaLoreConfig.residual=True.
+RESIDUAL = "+residual"
 PHASES = ("forward", "backward", "optimizer", "after_step")
 # The tiny Llama of the overhead table: 4 decoder layers of 7 linear maps each.
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
@@ -106,6 +109,11 @@ class Runner:
         import hf_galore_plugin as hgp
 
         self.method = method
+        residual = method.endswith(RESIDUAL)
+        if residual:
+            method = method[: -len(RESIDUAL)]
+            if method not in OURS:
+                raise ValueError(f"{method}{RESIDUAL}: the residual is a setting of {', '.join(OURS)}")
         self.model = build_model(size).to(device)
         self.after: Callable[[], None] = lambda: None
         params = list(self.model.parameters())
@@ -128,7 +136,7 @@ class Runner:
             install(self.model, rank=rank, scale=0.25, quantized=method == "floor_quantized")
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=True)
         elif method in OURS:
-            config = hgp.GaLoreConfig.preset(method, rank=rank, update_proj_gap=10**6)
+            config = hgp.GaLoreConfig.preset(method, rank=rank, update_proj_gap=10**6, residual=residual)
             hgp.prepare_model(self.model, config)
             self.optimizer = hgp.create_optimizer(self.model, lr=1e-3)
             model, optimizer = self.model, self.optimizer
@@ -142,7 +150,7 @@ class Runner:
     def calibrate(self, tokens: torch.Tensor) -> None:
         """Step until every GaLore layer has its first basis and its optimizer state again: under the staggered
         default a layer calibrates at the step of its phase, so the counted and timed steps would otherwise
-        include calibrations or the first step after one."""
+        include calibrations or the first step after one (which, with the residual, has no ratio to apply yet)."""
         from hf_galore_plugin.layers import GaLoreLinear
 
         layers = [m for m in self.model.modules() if isinstance(m, GaLoreLinear)]
@@ -187,7 +195,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # with no sync never waits for them); the wall time includes the device's work (synchronized after
     # each step, outside the CPU-time window).
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    runners = [Runner(method, size, args.rank, args.device) for method in args.methods]
+    methods = [
+        m
+        for method in args.methods
+        for m in ((method, method + RESIDUAL) if args.residual and method in OURS else (method,))
+    ]
+    runners = [Runner(method, size, args.rank, args.device) for method in methods]
     for runner in runners:  # calibration (the first basis of every layer) and warm-up
         for _ in range(3):
             runner.step(tokens)
@@ -305,6 +318,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--compile", action="store_true",
                         help="time each model's step through torch.compile(model) (inductor), after calibration")  # fmt: skip
+    parser.add_argument("--residual", action="store_true",
+                        help="also run each of our presets with residual=True (Fira's residual), as '<preset>+residual'")  # fmt: skip
     parser.add_argument("--out", type=pathlib.Path, help="also write the result as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
