@@ -55,9 +55,9 @@ def is_triton_available() -> bool:
 class KernelDispatch:
     """Which implementation the `torch.ops.hf_galore` custom ops run, set once at import.
 
-    The ops are registered with a CPU implementation (the torch twin) and a CUDA implementation
-    (the Triton kernel); the dispatcher picks one by the device of the tensors. Two exceptions,
-    read from the environment when this module is imported (never per call):
+    Each op is registered with one implementation for every device, which runs the Triton kernel on
+    CUDA tensors and the torch twin on the others (`use_triton`). Two exceptions, read from the
+    environment when this module is imported (never per call):
 
     - `triton_disabled` (`HF_GALORE_DISABLE_TRITON=1`): CUDA tensors run the torch twins too
       (for debugging a kernel suspicion).

@@ -1,11 +1,12 @@
 """The blockwise quantization ops: custom ops `torch.ops.hf_galore.*` and their Python entry points.
 
-Each op is registered with `torch.library` (namespace `hf_galore`): the CPU implementation is the
-torch twin (`quant.functional.*_torch`), the CUDA implementation the Triton launcher
-(`kernels.quant.*_triton`, imported only when it runs, so importing `hf_galore_plugin.quant`
-never imports triton), and a fake registration gives the output shapes and dtypes, so the ops
-trace under FakeTensorMode and torch.compile. `hf_galore_plugin.utils.KERNEL_DISPATCH` holds the
-exceptions (twins on CUDA with HF_GALORE_DISABLE_TRITON=1, kernels on CPU under TRITON_INTERPRET=1).
+Each op is registered with `torch.library` (namespace `hf_galore`) with one implementation for every
+device, which runs the Triton launcher (`kernels.quant.*_triton`, imported only when it runs, so
+importing `hf_galore_plugin.quant` never imports triton) where `utils.use_triton` says so (CUDA
+tensors) and the torch twin (`quant.functional.*_torch`) otherwise, and a fake registration that
+gives the output shapes and dtypes, so the ops trace under FakeTensorMode and torch.compile.
+`hf_galore_plugin.utils.KERNEL_DISPATCH` holds the exceptions (twins on CUDA with
+HF_GALORE_DISABLE_TRITON=1, kernels on CPU under TRITON_INTERPRET=1).
 
 The entry points below validate their arguments, then call the op; they run under
 `torch.no_grad()`: quantizing a parameter must not keep an autograd graph alive in its stored
@@ -44,15 +45,8 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- blockwise_stats
 @torch.library.custom_op("hf_galore::blockwise_stats", mutates_args=())
 def _blockwise_stats_op(x: torch.Tensor, scheme: str, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scales, zero points or a 0-element tensor); CPU: the torch twin."""
+    """(scales, zero points or a 0-element tensor)."""
     stats = _kernels().blockwise_stats_triton if use_triton(x) else functional.blockwise_stats_torch
-    scales, zero_points = stats(x, scheme=scheme, bits=bits, block_size=block_size)
-    return scales, _or_empty(zero_points, scales)
-
-
-@_blockwise_stats_op.register_kernel("cuda")
-def _blockwise_stats_cuda(x, scheme, bits, block_size):
-    stats = functional.blockwise_stats_torch if not use_triton(x) else _kernels().blockwise_stats_triton
     scales, zero_points = stats(x, scheme=scheme, bits=bits, block_size=block_size)
     return scales, _or_empty(zero_points, scales)
 
@@ -75,14 +69,8 @@ def _quantize_blockwise_op(
     zero_points: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, scales, zero points); scales and zero points are 0-element tensors where they were
-    given (an output may not alias an input) or where the scheme has none. CPU: the torch twin."""
+    given (an output may not alias an input) or where the scheme has none."""
     quantize = _kernels().quantize_blockwise_triton if use_triton(x) else functional.quantize_blockwise_torch
-    return _quantize_outputs(quantize, x, scheme, bits, block_size, randoms, scales, zero_points)
-
-
-@_quantize_blockwise_op.register_kernel("cuda")
-def _quantize_blockwise_cuda(x, scheme, bits, block_size, randoms, scales, zero_points):
-    quantize = functional.quantize_blockwise_torch if not use_triton(x) else _kernels().quantize_blockwise_triton
     return _quantize_outputs(quantize, x, scheme, bits, block_size, randoms, scales, zero_points)
 
 
@@ -116,18 +104,8 @@ def _dequantize_blockwise_op(
     numel: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Flat tensor of `numel` values in `dtype`; CPU: the torch twin."""
+    """Flat tensor of `numel` values in `dtype`."""
     dequantize = _kernels().dequantize_blockwise_triton if use_triton(codes) else functional.dequantize_blockwise_torch
-    return dequantize(
-        codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
-    )
-
-
-@_dequantize_blockwise_op.register_kernel("cuda")
-def _dequantize_blockwise_cuda(codes, scales, zero_points, scheme, bits, block_size, numel, dtype):
-    dequantize = (
-        functional.dequantize_blockwise_torch if not use_triton(codes) else _kernels().dequantize_blockwise_triton
-    )
     return dequantize(
         codes, scales, zero_points, scheme=scheme, bits=bits, block_size=block_size, numel=numel, dtype=dtype
     )
