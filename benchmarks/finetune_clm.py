@@ -857,7 +857,8 @@ def write_report(args, size: Size, results, base_meta, base_scores, seconds: flo
     )  # fmt: skip
     print("\n" + table)
     for name in ("finetune_clm.md", "finetune_clm.json", "finetune_clm_curves.png", "runs.jsonl"):
-        print(f"wrote {args.out / name}")
+        if (args.out / name).exists():  # --from-runs reads its runs.jsonl from elsewhere
+            print(f"wrote {args.out / name}")
 
 
 if __name__ == "__main__":
