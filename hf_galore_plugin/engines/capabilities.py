@@ -1,8 +1,9 @@
 """What each engine can do with GaLore layers, and the one place that refuses what it cannot.
 
-The table is the reference for the README's engine section and for every refusal: a check names
-the engine, and the error text comes from the engine's row, so one limitation reads the same
-wherever it is caught (at ``create_optimizer``, at an engine adapter's construction, or at a refresh).
+Every refusal comes from the table: a check names the engine, and the error text comes from the
+engine's row, so one limitation reads the same wherever it is caught (at ``create_optimizer``, at an
+engine adapter's construction, or at a refresh). docs/architecture.md ("Capabilities per engine")
+describes each engine's layout and gathering.
 """
 
 from __future__ import annotations
@@ -31,16 +32,10 @@ class UnsupportedByEngine(NotImplementedError, ValueError):
 @dataclass(frozen=True)
 class EngineCapabilities:
     label: str
-    # How the optimizer sees W0 and the factor B.
-    factor_layout: str
-    # How a refresh (fold B into W0, zero B) gets whole tensors.
-    refresh_gather: str
     # The engine keeps its own fp32 master copy of B: a refresh must tell it (EngineAdapter.param_changed).
     master_copy: bool
     # moment_handling='project': "all" layouts, "right" basis only, or "none".
     project_moments: Literal["all", "right", "none"]
-    # Resetting the state of some factors of a parameter group restarts exactly what one process would.
-    exact_partial_reset: bool
     # Why 'project' is limited, and what to use instead (empty where it is not limited).
     project_reason: str = ""
     project_alternative: str = ""
@@ -63,16 +58,12 @@ _ZERO_OFFLOAD_ALTERNATIVE = (
 )
 
 
-def _zero(label: str, factor_layout: str, *, refresh_gather: str = "none") -> EngineCapabilities:
-    """A DeepSpeed ZeRO stage: fp32 master copy, flat partitions, one step counter per flat group (moments
-    of some factors reset while the group's bias correction runs on)."""
+def _zero(label: str) -> EngineCapabilities:
+    """A DeepSpeed ZeRO stage: fp32 master copy, optimizer state in flat partitions."""
     return EngineCapabilities(
         label=label,
-        factor_layout=factor_layout,
-        refresh_gather=refresh_gather,
         master_copy=True,
         project_moments="none",
-        exact_partial_reset=False,
         project_reason=_ZERO_REASON,
         state_offload_reason=_ZERO_OFFLOAD_REASON,
         state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
@@ -83,27 +74,18 @@ def _zero(label: str, factor_layout: str, *, refresh_gather: str = "none") -> En
 CAPABILITIES: dict[str, EngineCapabilities] = {
     "single": EngineCapabilities(
         label="a single process",
-        factor_layout="whole 2-D tensors",
-        refresh_gather="none",
         master_copy=False,
         project_moments="all",
-        exact_partial_reset=True,
     ),
     "ddp": EngineCapabilities(
         label="DDP",
-        factor_layout="whole 2-D tensors, replicated",
-        refresh_gather="none (the recorded gradient or the range finder's sketches are all-reduced)",
         master_copy=False,
         project_moments="all",
-        exact_partial_reset=True,
     ),
     "fsdp1": EngineCapabilities(
         label="FSDP1",
-        factor_layout="1-D views into each rank's slice of a flat parameter (use_orig_params=True)",
-        refresh_gather="summon_full_params(unit, recurse=False, writeback=True), once per unit",
         master_copy=False,
         project_moments="none",
-        exact_partial_reset=True,
         project_reason=(
             "it transports the Adam moments with a 2-D change of coordinates, but FSDP1 keeps them as "
             "1-D slices of a flat shard"
@@ -116,11 +98,8 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
     ),
     "fsdp2": EngineCapabilities(
         label="FSDP2",
-        factor_layout="2-D DTensors sharded by rows (Shard(0))",
-        refresh_gather="full_tensor() of the factor where a left basis needs it; a right-basis fold is local",
         master_copy=False,
         project_moments="right",
-        exact_partial_reset=True,
         project_reason="the optimizer sees the factor's local rows only, and a left-basis transport mixes all rows",
         project_alternative="proj_type='right'",
         state_offload_reason="its optimizer state is DTensors placed like the sharded parameters",
@@ -133,15 +112,9 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
             "sharded W0 it frees after the layer"
         ),
     ),
-    "zero1": _zero("DeepSpeed ZeRO-1", "whole 2-D parameters; fp32 master and optimizer state in flat partitions"),
-    "zero2": _zero(
-        "DeepSpeed ZeRO-2", "whole 2-D parameters; fp32 master, gradients and optimizer state in flat partitions"
-    ),
-    "zero3": _zero(
-        "DeepSpeed ZeRO-3",
-        "every parameter partitioned (empty placeholders with ds_shape)",
-        refresh_gather="GatheredParameters((W0, B), modifier_rank=0), one layer at a time",
-    ),
+    "zero1": _zero("DeepSpeed ZeRO-1"),
+    "zero2": _zero("DeepSpeed ZeRO-2"),
+    "zero3": _zero("DeepSpeed ZeRO-3"),
 }
 
 
