@@ -14,9 +14,10 @@ replaced by :class:`~hf_galore_plugin.layers.experts.GaLoreExperts`; routers sta
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-from typing import Any
+from typing import Any, Callable, Protocol, TypeVar
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,10 @@ __all__ = [
     "expert_parameters",
     "expert_layout_problem",
     "select_expert_targets",
+    "ModuleBuilder",
+    "build_in_place",
+    "whole_shape",
+    "whole_numel",
 ]
 
 # peft names its adapter sub-modules lora_A / lora_B / lora_embedding_* / lora_magnitude_vector ...
@@ -182,7 +187,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
         if not isinstance(module, nn.Linear):
             continue
         weight = module.weight
-        numel = weight.numel()
+        numel = whole_numel(weight)
 
         reason = None
         if _ADAPTER_NAME.search(name):
@@ -298,7 +303,7 @@ def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     return {
         name: param
         for name, param in module._parameters.items()
-        if param is not None and param.ndim == 3 and param.shape[0] == count
+        if param is not None and len(whole_shape(param)) == 3 and whole_shape(param)[0] == count
     }
 
 
@@ -318,11 +323,11 @@ def expert_layout_problem(module: nn.Module) -> str | None:
     for flag, supported in flags.items():
         if getattr(module, flag, supported) != supported:
             return f"layout {flag}={getattr(module, flag)!r}"
-    count, up, down = params["gate_up_proj"].shape
-    if up % 2 or tuple(params["down_proj"].shape) != (count, down, up // 2):
+    gate_up, down_shape = whole_shape(params["gate_up_proj"]), whole_shape(params["down_proj"])
+    count, up, down = gate_up
+    if up % 2 or tuple(down_shape) != (count, down, up // 2):
         return (
-            f"shapes gate_up_proj {tuple(params['gate_up_proj'].shape)} and down_proj "
-            f"{tuple(params['down_proj'].shape)} are not (E, 2I, H) and (E, H, I)"
+            f"shapes gate_up_proj {tuple(gate_up)} and down_proj {tuple(down_shape)} are not (E, 2I, H) and (E, H, I)"
         )
     if getattr(module, "act_fn", None) is None and getattr(module, "_apply_gate", None) is None:
         return "no act_fn or _apply_gate"
@@ -343,7 +348,7 @@ def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: Target
         params = expert_parameters(module)
         if not params:
             continue
-        numel = sum(p.numel() for p in params.values())
+        numel = sum(whole_numel(p) for p in params.values())
         problem = expert_layout_problem(module)
         if not any(p.requires_grad for p in params.values()):
             reason = "frozen"
@@ -364,33 +369,82 @@ def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: Target
         if reason != "frozen":
             report.unprojected_expert_params += numel
     report.expert_rank = config.expert_rank
-    report.model_params = sum(p.numel() for p in model.parameters())
+    report.model_params = sum(whole_numel(p) for p in model.parameters())
     return selected
 
 
-def replace_targets(model: nn.Module, config: GaLoreConfig) -> TargetReport:
+_Module = TypeVar("_Module", bound=nn.Module)
+
+
+class ModuleBuilder(Protocol):
+    """How :func:`replace_targets` turns one selected module into its GaLore replacement: ``build(original,
+    make)`` calls ``make()``, which reads `original`'s parameters and returns the new module, and returns the
+    module to put in `original`'s place.
+
+    An engine that partitions parameters in place (DeepSpeed ZeRO-3 after a partitioned load:
+    ``integrations.distributed.prepare_zero3_model``) makes `original`'s parameters whole around ``make()``
+    and partitions the new module after it, so no rank ever holds more than one whole module.
+    """
+
+    def __call__(self, original: nn.Module, make: Callable[[], _Module]) -> _Module: ...
+
+
+def build_in_place(original: nn.Module, make: Callable[[], _Module]) -> _Module:
+    """The :class:`ModuleBuilder` of a model whose parameters are whole (one process, and every engine that
+    wraps the model after it is prepared): the module ``make()`` returns."""
+    return make()
+
+
+def whole_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of `param` as the model defines it. Selection reads shapes and sizes through it, so a model
+    whose parameters an engine partitioned in place is selected and reported as the whole model: DeepSpeed
+    ZeRO-3 leaves an empty placeholder and keeps the shape in ``ds_shape``."""
+    shape = getattr(param, "ds_shape", None)
+    return param.shape if shape is None else torch.Size(shape)
+
+
+def whole_numel(param: torch.Tensor) -> int:
+    """The number of values of `param` as the model defines it (:func:`whole_shape`)."""
+    return whole_shape(param).numel()
+
+
+def _mark_initialized(original: nn.Module, replacement: nn.Module) -> None:
+    # A framework's mark that its init has run on the replaced module (transformers' `_is_hf_initialized`,
+    # read by its init_weights()) holds for the replacement too: it must not re-initialise loaded weights.
+    if getattr(original, "_is_hf_initialized", False):
+        object.__setattr__(replacement, "_is_hf_initialized", True)
+
+
+def _galore_linear(linear: nn.Linear, config: GaLoreConfig, layer_index: int) -> GaLoreLinear:
+    layer = GaLoreLinear(linear, config, layer_index=layer_index)
+    _mark_initialized(linear, layer)
+    return layer
+
+
+def _galore_experts(experts: nn.Module, config: GaLoreConfig, layer_index: int) -> GaLoreExperts:
+    replacement = GaLoreExperts(experts, config, layer_index=layer_index)
+    for projection in EXPERT_PROJECTIONS:
+        _mark_initialized(experts, getattr(replacement, projection))
+    return replacement
+
+
+def replace_targets(model: nn.Module, config: GaLoreConfig, *, build: ModuleBuilder = build_in_place) -> TargetReport:
     """Replace every selected nn.Linear of `model` by a GaLoreLinear, in place; with ``config.experts`` every
-    supported experts module by a GaLoreExperts."""
+    supported experts module by a GaLoreExperts. Each replacement is built through `build` (:class:`ModuleBuilder`),
+    one module at a time; every engine's preparation goes through here, so all of them select, seed, phase and
+    report alike."""
     selected, report = select_targets(model, config)
     experts = select_expert_targets(model, config, report)
     layers: list[GaLoreLinear] = []
     for index, (name, module) in enumerate(selected):
         # One at a time: a quantized W0 replaces the original weight before the next layer is built.
-        layer = GaLoreLinear(module, config, layer_index=index)
-        # A framework's mark that its init has run on the replaced module (transformers' `_is_hf_initialized`,
-        # read by its init_weights()) holds for the layer too: it must not re-initialise loaded weights.
-        if getattr(module, "_is_hf_initialized", False):
-            object.__setattr__(layer, "_is_hf_initialized", True)
+        layer = build(module, functools.partial(_galore_linear, module, config, index))
         layers.append(layer)
-        swap_submodule(model, name, layers[-1])
+        swap_submodule(model, name, layer)
     for name, experts_module in experts:
         # Seeds continue the linear layers' indices: two stacks (gate_up_proj, down_proj) per module.
-        replacement = GaLoreExperts(experts_module, config, layer_index=len(layers))
-        for projection in EXPERT_PROJECTIONS:
-            stack = getattr(replacement, projection)
-            if getattr(experts_module, "_is_hf_initialized", False):
-                object.__setattr__(stack, "_is_hf_initialized", True)
-            layers.append(stack)
+        replacement = build(experts_module, functools.partial(_galore_experts, experts_module, config, len(layers)))
+        layers.extend(getattr(replacement, projection) for projection in EXPERT_PROJECTIONS)
         swap_submodule(model, name, replacement)
     assign_refresh_phases(layers)
     logger.info(report.summary())

@@ -2,8 +2,8 @@
 
 They compose the public API with the engine glue of :mod:`hf_galore_plugin.engines`: ZeRO-3
 partitions every parameter, W0 and the factor included (``from_pretrained`` under a stage-3 config
-already does, through ``zero.Init``). :func:`prepare_zero3_model` replaces such a model's layers one at
-a time; :func:`gathered_galore_state_dict` and :func:`load_gathered_galore_state_dict` save and restore
+already does, through ``zero.Init``). :func:`prepare_zero3_model` prepares such a model through the
+target replacement of ``prepare_model``, one gathered module at a time; :func:`gathered_galore_state_dict` and :func:`load_gathered_galore_state_dict` save and restore
 the layers' exact state (``galore_state.pt``) with whole tensors; :func:`merged_state_dict_from` merges
 a state dict that an engine gathered (what ``Trainer.save_model`` gets from
 ``_zero3_consolidated_16bit_state_dict``). Without ZeRO-3 they are the plain versions.
@@ -12,7 +12,7 @@ a state dict that an engine gathered (what ``Trainer.save_model`` gets from
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -22,8 +22,8 @@ from ..config import GaLoreConfig
 from ..engines.collectives import full_tensor, shard_like
 from ..engines.deepspeed import import_deepspeed, zero3_gathered
 from ..engines.fsdp1 import fsdp1_units, group_by_unit, summon_unit
-from ..inject import galore_state_per_layer, iter_galore_layers_by_key, select_targets
-from ..layers import GaLoreLinear, assign_refresh_phases
+from ..inject import galore_state_per_layer, iter_galore_layers_by_key, replace_targets
+from ..layers import GaLoreLinear
 from ..state import record_state, state_of
 
 __all__ = [
@@ -33,31 +33,34 @@ __all__ = [
     "merged_state_dict_from",
 ]
 
+_Module = TypeVar("_Module", bound=nn.Module)
+
 
 def prepare_zero3_model(model: nn.Module, config: GaLoreConfig, ds_config: Any) -> nn.Module:
     """``prepare_model`` for a model whose parameters ZeRO-3 has partitioned (``from_pretrained`` under a
-    stage-3 DeepSpeed config), one layer at a time.
+    stage-3 DeepSpeed config), one module at a time.
 
-    Each targeted ``nn.Linear`` is gathered (the whole weight, on every rank), its GaLore layer is built
-    from it, and the new layer's parameters are partitioned at once with ``zero.Init(module=...)`` and
-    `ds_config` (the config the model was loaded under), so no rank ever holds more than one whole layer.
+    The same target replacement as ``prepare_model`` (``inject.replace_targets``: the same layers and expert
+    modules, seeds, refresh phases and report), with a builder that gathers each targeted ``nn.Linear`` or
+    experts module (its whole weights, on every rank), builds its GaLore module from them, and partitions
+    the new module's parameters at once with ``zero.Init(module=...)`` and `ds_config` (the config the model
+    was loaded under), so no rank ever holds more than one whole module.
     """
     deepspeed = import_deepspeed("prepare_zero3_model")
     if state_of(model) is not None:
         return prepare_model(model, config)  # already prepared: the core checks the config
-    selected, report = select_targets(model, config)
-    layers = []
-    for index, (name, linear) in enumerate(selected):
-        with zero3_gathered(linear.parameters()):
-            layer = GaLoreLinear(linear, config, layer_index=index)
-            if layer.weight is not None:
-                # W0 is a view of the gathered buffer, which DeepSpeed frees on exit: keep a copy.
-                layer.weight.data = layer.weight.data.clone()
-        deepspeed.zero.Init(module=layer, config_dict_or_path=ds_config)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-        layers.append(layer)
-    assign_refresh_phases(layers)
+
+    def build(original: nn.Module, make: Callable[[], _Module]) -> _Module:
+        with zero3_gathered(original.parameters()):
+            module = make()
+            for layer in module.modules():
+                if isinstance(layer, GaLoreLinear) and layer.weight is not None:
+                    # W0 is a view of the gathered buffer, which DeepSpeed frees on exit: keep a copy.
+                    layer.weight.data = layer.weight.data.clone()
+        deepspeed.zero.Init(module=module, config_dict_or_path=ds_config)
+        return module
+
+    report = replace_targets(model, config, build=build)
     record_state(model, config, report)
     return model
 
