@@ -53,16 +53,19 @@ def is_triton_available() -> bool:
 
 @dataclasses.dataclass
 class KernelDispatch:
-    """Which implementation the `torch.ops.hf_galore` custom ops run, set once at import.
+    """Which implementation the `torch.ops.hf_galore` custom ops and AdamW's fp32 step run, set once at import.
 
     Each op is registered with one implementation for every device, which runs the Triton kernel on
-    CUDA tensors and the torch twin on the others (`use_triton`). Two exceptions, read from the
+    CUDA tensors and the torch twin on the others (`use_triton`). The exceptions, read from the
     environment when this module is imported (never per call):
 
     - `triton_disabled` (`HF_GALORE_DISABLE_TRITON=1`): CUDA tensors run the torch twins too
       (for debugging a kernel suspicion).
     - `triton_on_cpu` (`TRITON_INTERPRET=1`, which must be set before triton is imported anyway):
       CPU tensors run the Triton kernels in Triton's interpreter (how the tests run the kernels).
+    - `fused_adamw` (True unless `HF_GALORE_FUSED_ADAMW=0`): `optim.AdamW` steps the fp32 state of
+      fp32 CPU tensors in torch's fused AdamW kernel; off, in torch's single-tensor AdamW arithmetic
+      (which bf16 and non-contiguous tensors take anyway).
 
     `inline_twins`: the Python entry points (`quant.ops.*`, `optim.adamw8bit.adamw8bit_step`) call
     the torch twins as plain torch code instead of the custom ops, so a dispatch mode sees their
@@ -74,12 +77,14 @@ class KernelDispatch:
 
     triton_disabled: bool = False
     triton_on_cpu: bool = False
+    fused_adamw: bool = True
     inline_twins: bool = False
 
 
 KERNEL_DISPATCH = KernelDispatch(
     triton_disabled=os.environ.get("HF_GALORE_DISABLE_TRITON", "0") == "1",
     triton_on_cpu=os.environ.get("TRITON_INTERPRET", "0") == "1",
+    fused_adamw=os.environ.get("HF_GALORE_FUSED_ADAMW", "1") != "0",
 )
 
 

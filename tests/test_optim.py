@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hf_galore_plugin.optim import AdamW
+from hf_galore_plugin.utils import KERNEL_DISPATCH
 
 from conftest import free_port, use_torch_twins
 
@@ -91,10 +92,10 @@ def _fresh_params(dtype=torch.float32, seed=1):
 @pytest.mark.parametrize("path", ["fused", "single_tensor"])
 def test_fp32_state_matches_torch_adamw(path, monkeypatch):
     """fp32 CPU tensors step in torch's fused kernel: identical to torch.optim.AdamW(fused=True).
-    With the fused path off (HF_GALORE_FUSED_ADAMW=0, and what bf16 / non-contiguous tensors take):
-    identical to torch's single-tensor AdamW."""
+    With the fused path off (KERNEL_DISPATCH.fused_adamw, HF_GALORE_FUSED_ADAMW=0; what bf16 / non-contiguous
+    tensors take): identical to torch's single-tensor AdamW."""
     if path == "single_tensor":
-        monkeypatch.setenv("HF_GALORE_FUSED_ADAMW", "0")
+        monkeypatch.setattr(KERNEL_DISPATCH, "fused_adamw", False)
     # Multiples of 64 values: torch's fused kernel runs its vector loop over all of them (see the next test).
     shapes = [(32, 48), (64,), (8, 16, 4)]
     g = torch.Generator().manual_seed(1)
@@ -137,8 +138,8 @@ def test_fused_and_single_tensor_fp32_paths_agree_to_rounding(monkeypatch):
     """The two fp32 paths differ by the order (and fused multiply-adds) of their fp32 ops only:
     moments and parameters within a few fp32 ulps of each other after 100 steps."""
     runs = []
-    for fused in ("1", "0"):
-        monkeypatch.setenv("HF_GALORE_FUSED_ADAMW", fused)
+    for fused in (True, False):
+        monkeypatch.setattr(KERNEL_DISPATCH, "fused_adamw", fused)
         params = _fresh_params()
         opt = AdamW(_groups(params), **HYPER)
         _run_fixed_grads(params, opt, _grads(SHAPES, 100))

@@ -19,6 +19,7 @@ import torch
 
 import hf_galore_plugin as hgp
 from hf_galore_plugin.optim import AdamW
+from hf_galore_plugin.utils import KERNEL_DISPATCH
 
 from conftest import build_tiny_llama
 
@@ -109,7 +110,7 @@ def test_state_zeroed_in_place_steps_like_a_fresh_state(path, monkeypatch):
     # optimizer's first step from the same weights. A host copy that missed the write would use step 4
     # (the fused kernel reads the tensor itself; the other paths take the count from the host).
     if path == "fp32_single_tensor":
-        monkeypatch.setenv("HF_GALORE_FUSED_ADAMW", "0")
+        monkeypatch.setattr(KERNEL_DISPATCH, "fused_adamw", False)
     state_bits = 8 if path == "8bit" else 32
     starts, grads = _params_and_grads()
     params = [torch.nn.Parameter(s.clone()) for s in starts]

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -67,6 +66,7 @@ from hf_galore_plugin.optim.offload import (
     host_copy,
     state_slices,
 )
+from hf_galore_plugin.utils import KERNEL_DISPATCH
 
 __all__ = ["AdamW"]
 
@@ -75,9 +75,9 @@ _FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_")
 
 
 def _fused_enabled() -> bool:
-    """Whether torch's fused AdamW kernel exists and `HF_GALORE_FUSED_ADAMW=0` does not turn it off (read once
-    per step: an environment lookup per parameter cost more than the rest of the check)."""
-    return _FUSED_AVAILABLE and os.environ.get("HF_GALORE_FUSED_ADAMW", "1") != "0"
+    """Whether torch's fused AdamW kernel exists and `KERNEL_DISPATCH.fused_adamw` allows it (read once per
+    step, not per parameter)."""
+    return _FUSED_AVAILABLE and KERNEL_DISPATCH.fused_adamw
 
 
 def _fusable(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:
