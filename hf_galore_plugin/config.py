@@ -169,15 +169,21 @@ class GaLoreConfig:
         default=True,
     )
     target_modules: Optional[Union[list, str]] = _help(
-        "Which nn.Linear layers to train with GaLore: None (every nn.Linear except the output head and "
-        "layers whose smaller side <= rank), 'all-linear' (every nn.Linear, an untied output head included, "
-        "as transformers' optim_target_modules='all-linear' selects), a list of name suffixes, or a regex string "
-        "matched with re.fullmatch against the module name.",
+        "Which nn.Linear layers to train with GaLore: None (every nn.Linear except the output head, found by "
+        "the model's get_output_embeddings() or named 'lm_head', and layers whose smaller side <= rank), "
+        "'all-linear' (every nn.Linear, an untied output head included, as transformers' "
+        "optim_target_modules='all-linear' selects), a list of substrings (a layer whose module name contains one "
+        "of them, e.g. ['q_proj', 'v_proj']) or any other string: a regex matched with re.fullmatch against the "
+        "whole module name (e.g. '.*q_proj'; 'q_proj' alone matches only a top-level module of that name). A list "
+        "or regex that selects no trainable layer is an error.",
         default=None,
     )
-    exclude_modules: Optional[list] = _help(
-        "Module-name suffixes never targeted, a list or one name (default: the output head, found by the "
-        "model's get_output_embeddings(), or a layer named 'lm_head').",
+    exclude_modules: Optional[Union[list, str]] = _help(
+        "Layers never trained with GaLore (they keep plain optimizer state), nn.Linear layers and, with "
+        "experts=True, experts modules; matched as target_modules matches: a list of substrings (a module whose "
+        "name contains one of them, e.g. ['o_proj', 'mlp']) or a string, a regex matched with re.fullmatch "
+        "against the whole module name (e.g. '.*o_proj'). A list entry or regex that matches no nn.Linear or "
+        "experts module of the model is an error. None (default): nothing beyond target_modules' own rules.",
         default=None,
     )
     experts: bool = _help(
@@ -225,8 +231,6 @@ class GaLoreConfig:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.exclude_modules, str):
-            self.exclude_modules = [self.exclude_modules]  # one name
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -345,19 +349,27 @@ class GaLoreConfig:
             raise bad("lr_scale", "use a multiplier in (0, 1] (0.8-0.9 is typical)")
         if not 0.0 <= self.lr_recovery_fraction <= 1.0:
             raise bad("lr_recovery_fraction", "use a fraction of training in [0, 1]")
-        if self.target_modules is not None and not isinstance(self.target_modules, (str, list, tuple)):
-            raise bad("target_modules", "use None, 'all-linear', a list of module-name suffixes or a regex string")
-        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
-            try:
-                re.compile(self.target_modules)
-            except re.error as exc:
-                raise bad("target_modules", f"not a valid regular expression ({exc})") from exc
+        # Both pattern fields follow one rule (inject._matches): a string is a regex of the whole module name,
+        # a list holds substrings of it.
+        for name in ("target_modules", "exclude_modules"):
+            value = getattr(self, name)
+            if value is None or (name == "target_modules" and value == "all-linear"):
+                continue
+            if isinstance(value, str):
+                try:
+                    re.compile(value)
+                except re.error as exc:
+                    raise bad(name, f"not a valid regular expression ({exc})") from exc
+            elif not isinstance(value, (list, tuple)):
+                raise bad(name, "use None, a list of module-name substrings (e.g. ['o_proj']) or a regex string "
+                          "matched against the whole module name (e.g. '.*o_proj')"
+                          + (", or 'all-linear'" if name == "target_modules" else ""))  # fmt: skip
+            elif not all(isinstance(entry, str) for entry in value):
+                raise bad(name, "list entries must be strings, substrings of module names, e.g. ['q_proj', 'v_proj']")
+            elif "" in value:
+                raise bad(name, "an empty entry is a substring of every module name: remove it")
         if isinstance(self.target_modules, (list, tuple)) and not self.target_modules:
             raise bad("target_modules", "an empty list selects nothing; use None for the default targets")
-        if self.exclude_modules is not None and not (
-            isinstance(self.exclude_modules, (list, tuple)) and all(isinstance(n, str) for n in self.exclude_modules)
-        ):
-            raise bad("exclude_modules", "use None, one module-name suffix, or a list of them, e.g. ['o_proj']")
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -138,12 +138,37 @@ def _is_head(name: str, heads: set[str]) -> bool:
     return name in heads or any(name.startswith(head + ".") for head in heads)
 
 
-def _matches(name: str, targets) -> bool:
-    # Same rules as transformers' optim_target_modules: a string is a regex matched with re.fullmatch,
-    # a list matches when one of its entries is a substring of the module name.
-    if isinstance(targets, str):
-        return re.fullmatch(targets, name) is not None
-    return any(t in name for t in targets)
+def _matches(name: str, patterns) -> bool:
+    # The rule of target_modules and exclude_modules, transformers' optim_target_modules': a string is a regex
+    # matched with re.fullmatch, a list matches when one of its entries is a substring of the module name.
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(p in name for p in patterns)
+
+
+_PATTERN_RULE = (
+    "a string is a regex matched with re.fullmatch against the whole module name, a list holds substrings "
+    "of module names"
+)
+
+
+def _no_match_hint(pattern: Any, names: list[str]) -> str:
+    """The matching rule, and the pattern that matches where a string is only a part of module names."""
+    hint = f"({_PATTERN_RULE}"
+    if isinstance(pattern, str) and any(pattern in name for name in names):
+        hint += (f"; {pattern!r} is part of names above: '.*{pattern}', or the list [{pattern!r}] (in optim_args "
+                 f"'{pattern}+'), matches them")  # fmt: skip
+    return hint + ")"
+
+
+def _unmatched_excludes(config: GaLoreConfig, names: list[str]) -> list[str]:
+    """The patterns of ``config.exclude_modules`` (the regex, or each list entry) that match none of `names`."""
+    exclude = config.exclude_modules
+    if exclude is None:
+        return []
+    if isinstance(exclude, str):
+        return [] if any(_matches(name, exclude) for name in names) else [exclude]
+    return [entry for entry in exclude if not any(_matches(name, [entry]) for name in names)]
 
 
 def _shared_parameter_owners(model: nn.Module) -> dict[int, list[str]]:
@@ -174,7 +199,8 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
     explicit = config.target_modules not in (None, "all-linear")
     all_linear = config.target_modules == "all-linear"
     heads = _output_head_names(model)
-    excluded = list(config.exclude_modules or [])
+    excluded = config.exclude_modules
+    linear_names: list[str] = []
     selected: list[tuple[str, nn.Linear]] = []
     sharing = _shared_parameter_owners(model)
     conv1d = [name for name, module in model.named_modules() if type(module).__name__ == "Conv1D"]
@@ -186,6 +212,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             )
         if not isinstance(module, nn.Linear):
             continue
+        linear_names.append(name)
         weight = module.weight
         numel = whole_numel(weight)
 
@@ -200,7 +227,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             reason = "not in target_modules"
         elif not explicit and not all_linear and _is_head(name, heads):
             reason = "output head"
-        elif any(name == e or name.endswith("." + e) for e in excluded):
+        elif excluded is not None and _matches(name, excluded):
             reason = "in exclude_modules"
         elif id(weight) in sharing and len(sharing[id(weight)]) > 1:
             others = [owner for owner in sharing[id(weight)] if owner != name]
@@ -224,8 +251,17 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             selected.append((name, module))
             report.targeted.append(name)
             report.targeted_params += numel
+    unmatched = _unmatched_excludes(config, linear_names + [name for name, m in model.named_modules()
+                                                           if expert_parameters(m)])  # fmt: skip
+    if unmatched:
+        which = (f"exclude_modules={excluded!r}" if isinstance(excluded, str)
+                 else f"exclude_modules entry {unmatched[0]!r} (of {excluded!r})")  # fmt: skip
+        raise ValueError(
+            f"{which} matched no nn.Linear or experts module, so it excludes nothing; linear layers in this "
+            f"model are e.g. {linear_names[:8]} {_no_match_hint(unmatched[0], linear_names)}"
+        )
     if not selected:
-        linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        linear = linear_names
         if conv1d:
             raise ValueError(
                 f"no nn.Linear layer to train with GaLore: this model's projections ({len(conv1d)}, e.g. "
@@ -250,7 +286,8 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
         if explicit:
             raise ValueError(
                 f"target_modules={config.target_modules!r} matched no trainable nn.Linear layer; linear layers "
-                f"in this model are e.g. {[n for n in report.skipped][:8]}"
+                f"in this model are e.g. {[n for n in report.skipped][:8]} "
+                f"{_no_match_hint(config.target_modules, linear)}"
             )
         by_rank = [n for n, r in report.skipped.items() if r.startswith("smaller side")]
         if by_rank:
@@ -343,7 +380,7 @@ def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: Target
     """The experts modules of `model` to replace by :class:`GaLoreExperts` (with ``config.experts``); every
     experts module left out goes into `report` with its reason."""
     selected = []
-    excluded = list(config.exclude_modules or [])
+    excluded = config.exclude_modules
     for name, module in model.named_modules():
         params = expert_parameters(module)
         if not params:
@@ -358,7 +395,7 @@ def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: Target
             reason = f"unsupported: {problem}"
         elif _ADAPTER_NAME.search(name):
             reason = "adapter"
-        elif any(name == e or name.endswith("." + e) for e in excluded):
+        elif excluded is not None and _matches(name, excluded):
             reason = "in exclude_modules"
         else:
             selected.append((name, module))

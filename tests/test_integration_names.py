@@ -404,10 +404,13 @@ def test_optim_args_transformers_cannot_parse_fail_at_trainer_construction(tmp_p
     assert isinstance(model.up, nn.Linear) and hf_galore_plugin.state_of(model) is None
 
 
-def test_one_exclude_modules_name_is_a_list_of_one():
-    assert parse_optim_args("exclude_modules=o_proj") == {"exclude_modules": ["o_proj"]}
-    assert GaLoreConfig(exclude_modules="o_proj").exclude_modules == ["o_proj"]
-    assert parse_optim_args("target_modules=o_proj") == {"target_modules": "o_proj"}  # a regex stays one
+def test_both_pattern_keys_read_one_item_as_a_regex_and_plus_as_a_list():
+    # One rule for target_modules and exclude_modules: a string is a regex, a list (items joined by '+',
+    # a trailing '+' for one item) holds substrings.
+    for key in ("target_modules", "exclude_modules"):
+        assert parse_optim_args(f"{key}=.*o_proj") == {key: ".*o_proj"}
+        assert parse_optim_args(f"{key}=o_proj+") == {key: ["o_proj"]}
+        assert getattr(GaLoreConfig(**{key: ".*o_proj"}), key) == ".*o_proj"
 
 
 def test_bad_optim_args_fail_at_trainer_construction(tmp_path):

@@ -4,6 +4,7 @@ that cannot train, stepping after merge_and_unload, tied weights, models GaLore 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -393,3 +394,108 @@ def test_lora_only_peft_model_message():
 def test_rank_message_stays_for_small_layers():
     with pytest.raises(ValueError, match=r"Lower `rank`"):
         hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=64))
+
+
+# ---------------------------------------------------------------------- target and exclude patterns
+# The decoder's nn.Linear layers of tiny_llama() (one layer); the output head `lm_head` is left out by default.
+DECODER = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + [
+    f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")
+]
+
+
+def _targets_and_skips(config) -> tuple[list[str], dict[str, str]]:
+    model = hgp.prepare_model(tiny_llama(), config)
+    report = hgp.state_of(model).report
+    return report.targeted, report.skipped
+
+
+# exclude_modules -> the decoder layers it excludes, written out by hand from the documented rule: a list entry
+# excludes every module whose name contains it, a string is a regex that must match the whole name.
+EXCLUDED = [
+    pytest.param(["mlp"], DECODER[4:], id="list-substring-mlp"),
+    pytest.param(["mlp.up", "self_attn.q"], [DECODER[0], DECODER[5]], id="list-substrings-inside-names"),
+    pytest.param(r".*self_attn\.[qk]_proj", DECODER[:2], id="regex-fullmatch"),
+    pytest.param(r"model\.layers\.0\.mlp\.(up|down)_proj", DECODER[5:], id="regex-alternatives"),
+]
+
+
+@pytest.mark.parametrize("exclude, excluded", EXCLUDED)
+def test_exclude_modules_follow_the_matching_rules_of_target_modules(exclude, excluded):
+    targeted, skipped = _targets_and_skips(hgp.GaLoreConfig(rank=4, exclude_modules=exclude))
+    assert targeted == [name for name in DECODER if name not in excluded]
+    assert {name for name, reason in skipped.items() if reason == "in exclude_modules"} == set(excluded)
+    assert skipped["lm_head"] == "output head"
+
+
+@pytest.mark.parametrize("exclude", [["proj"], ".*", ["model"]])
+def test_exclude_modules_matching_every_layer_leaves_nothing_to_train(exclude):
+    with pytest.raises(ValueError, match=r"no nn.Linear layer to train .* 7 in exclude_modules"):
+        hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4, exclude_modules=exclude))
+
+
+@pytest.mark.parametrize(
+    "exclude, unmatched",
+    [
+        (["o_porj"], "entry 'o_porj'"),  # a typo
+        (["o_proj", "dwon_proj"], "entry 'dwon_proj'"),  # one typo among good entries
+        ("o_proj", "exclude_modules='o_proj'"),  # a string is a regex of the whole name: '.*o_proj' matches
+        ([r".*_proj"], r"entry '.*_proj'"),  # a list entry is a substring, never a regex
+        (r"model\.layers\.7\..*", r"exclude_modules='model\\.layers\\.7"),  # the model has one layer
+    ],
+)
+def test_exclude_modules_matching_nothing_is_refused_as_target_modules_is(exclude, unmatched):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"matched no") as info:
+        hgp.prepare_model(model, hgp.GaLoreConfig(rank=4, exclude_modules=exclude))
+    message = str(info.value)
+    assert unmatched in message and "re.fullmatch" in message and "substring" in message
+    assert "model.layers.0.self_attn.q_proj" in message  # names of the model to match against
+    assert hgp.state_of(model) is None and isinstance(model.model.layers[0].self_attn.o_proj, nn.Linear)
+
+
+def test_exclude_modules_regex_string_through_optim_args(tmp_path):
+    # One optim_args item without '+' is a string: a regex, as for target_modules.
+    trainer = Trainer(
+        model=tiny_llama(),
+        args=args(tmp_path, optim="galore_adamw", optim_args=r"rank=4,exclude_modules=.*mlp\..*"),
+        train_dataset=token_data(),
+    )
+    assert hgp.state_of(trainer.model).report.targeted == DECODER[:4]
+
+
+def test_exclude_modules_naming_the_default_excluded_head_is_accepted():
+    # The head is excluded by default; naming it too is no mistake and selects the same layers.
+    targeted, skipped = _targets_and_skips(hgp.GaLoreConfig(rank=4, exclude_modules=["lm_head"]))
+    assert targeted == DECODER and skipped == {"lm_head": "output head"}
+
+
+def test_target_modules_message_says_how_a_string_matches():
+    with pytest.raises(ValueError, match=r"target_modules='q_proj' matched no trainable") as info:
+        hgp.prepare_model(tiny_llama(), hgp.GaLoreConfig(rank=4, target_modules="q_proj"))
+    assert "re.fullmatch" in str(info.value) and "'.*q_proj'" in str(info.value)
+
+
+def test_config_help_states_the_matching_rule_of_both_fields():
+    import dataclasses
+
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(hgp.GaLoreConfig)}
+    for name in ("target_modules", "exclude_modules"):
+        assert "re.fullmatch" in helps[name] and "substring" in helps[name], name
+        assert "suffix" not in helps[name], name
+
+
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("target_modules", ["q_proj", 3], "entries must be strings"),
+        ("target_modules", ("q_proj", None), "entries must be strings"),
+        ("target_modules", ["q_proj", ""], "an empty entry"),
+        ("exclude_modules", [""], "an empty entry"),
+        ("exclude_modules", ["o_proj", 2], "entries must be strings"),
+        ("exclude_modules", "o_proj(", "not a valid regular expression"),
+        ("exclude_modules", 7, "use None"),
+    ],
+)
+def test_pattern_fields_refuse_entries_that_are_not_strings(field, value, fragment):
+    with pytest.raises(ValueError, match=rf"GaLoreConfig.{field}=.* is invalid: .*{re.escape(fragment)}"):
+        hgp.GaLoreConfig(**{field: value})
