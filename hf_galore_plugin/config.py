@@ -40,6 +40,8 @@ _INT_LIMIT = 2**31
 # The layers' random streams are seeded with seed * ~2e12 + counters, which torch.Generator.manual_seed
 # takes only below 2**64: seeds up to 2**22 keep every derived seed in range.
 _SEED_LIMIT = 2**22
+# GaLoreConfig.expert_rank's default (see its help); any other value asks for experts=True.
+_EXPERT_RANK = 16
 # GaLoreConfig.scale's default: each layer's norm-matched scale (GaLoreConfig.layer_scale).
 AUTO_SCALE = "auto"
 # The GaLore paper's refresh: every layer records its dense gradient on the same steps and takes the
@@ -172,10 +174,11 @@ class GaLoreConfig:
         "Which nn.Linear layers to train with GaLore: None (every nn.Linear except the output head, found by "
         "the model's get_output_embeddings() or named 'lm_head', and layers whose smaller side <= rank), "
         "'all-linear' (every nn.Linear, an untied output head included, as transformers' "
-        "optim_target_modules='all-linear' selects), a list of substrings (a layer whose module name contains one "
-        "of them, e.g. ['q_proj', 'v_proj']) or any other string: a regex matched with re.fullmatch against the "
-        "whole module name (e.g. '.*q_proj'; 'q_proj' alone matches only a top-level module of that name). A list "
-        "or regex that selects no trainable layer is an error.",
+        "optim_target_modules='all-linear' selects; layers whose smaller side <= rank are skipped and named in "
+        "the summary line), a list of substrings (a layer whose module name contains one of them, e.g. "
+        "['q_proj', 'v_proj']) or any other string: a regex matched with re.fullmatch against the whole module "
+        "name (e.g. '.*q_proj'; 'q_proj' alone matches only a top-level module of that name). A list or regex "
+        "that selects no trainable layer, or selects a layer whose smaller side <= rank, is an error.",
         default=None,
     )
     exclude_modules: Optional[Union[list, str]] = _help(
@@ -199,7 +202,7 @@ class GaLoreConfig:
         "billions of values). The default 16 (1/48 of a Qwen3-30B-A3B expert's smaller side) is the smallest "
         "of the quality grid's expert ranks within 1% held-out loss of the experts unprojected "
         "(BENCHMARKS.md, 'Quality: mixture of experts').",
-        default=16,
+        default=_EXPERT_RANK,
     )
     lr_scale: float = _help(
         "Learning rate multiplier of the GaLore groups applied by the integration (0.8-0.9 of the user's).",
@@ -336,6 +339,11 @@ class GaLoreConfig:
             )
         if self.expert_rank < 1:
             raise bad("expert_rank", "use a positive rank, e.g. expert_rank=16")
+        # A value other than the default was asked for; without experts=True no expert basis is built at that
+        # rank, so the request would pass silently. (The default itself cannot be told apart from no value.)
+        if self.expert_rank != _EXPERT_RANK and not self.experts:
+            raise bad("expert_rank", "it is the rank of the experts' bases, built with experts=True only: set "
+                      "experts=True (optim_args experts=true), or drop expert_rank")  # fmt: skip
         if not isinstance(self.chunked_loss, bool):
             raise TypeError(f"GaLoreConfig.chunked_loss must be a bool, got {self.chunked_loss!r}")
         if self.chunked_loss_tokens is not None:

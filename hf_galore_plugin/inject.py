@@ -26,6 +26,7 @@ from torch import nn
 from .config import GaLoreConfig
 from .layers import GaLoreLinear
 from .layers.experts import EXPERT_PROJECTIONS, GaLoreExperts
+from .layers.linear import resolve_sides
 from .layers.schedule import StepClock, assign_refresh_phases
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,28 @@ def _no_match_hint(pattern: Any, names: list[str]) -> str:
     return hint + ")"
 
 
+# The side(s) of a weight each proj_type projects (projection.resolve_sides), as the messages name them.
+_PROJECTED_SIDE = {
+    "std": "smaller side",
+    "reverse_std": "larger side",
+    "left": "output side",
+    "right": "input side",
+    "full": "both sides",
+}
+
+
+def _projection_limit(proj_type: str, rows: int, cols: int) -> int:
+    """The rank from which a basis of `proj_type` projects nothing of a rows x cols weight: every side it keeps
+    is covered whole, and the factor is the whole weight, trained at the GaLore scale with nothing saved."""
+    left, right = resolve_sides(proj_type, rows, cols)
+    return max(side for side, kept in ((rows, left), (cols, right)) if kept)
+
+
+def _covered(proj_type: str, rank: int, rows: int, cols: int) -> str:
+    """What a rank at or above :func:`_projection_limit` covers, for a message."""
+    return "both sides" if rank >= max(rows, cols) else f"the {_PROJECTED_SIDE[proj_type]}"
+
+
 def _unmatched_excludes(config: GaLoreConfig, names: list[str]) -> list[str]:
     """The patterns of ``config.exclude_modules`` (the regex, or each list entry) that match none of `names`."""
     exclude = config.exclude_modules
@@ -201,6 +224,8 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
     heads = _output_head_names(model)
     excluded = config.exclude_modules
     linear_names: list[str] = []
+    # layers a list or regex selects that a basis of this rank does not project (_projection_limit)
+    too_small: list[tuple[str, nn.Linear]] = []
     selected: list[tuple[str, nn.Linear]] = []
     sharing = _shared_parameter_owners(model)
     conv1d = [name for name, module in model.named_modules() if type(module).__name__ == "Conv1D"]
@@ -242,6 +267,12 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             reason = f"weight tied to {others[0]}"
         elif not explicit and not all_linear and min(module.out_features, module.in_features) <= config.rank:
             reason = f"smaller side <= rank {config.rank}"
+        elif config.rank >= _projection_limit(config.proj_type, module.out_features, module.in_features):
+            # 'all-linear' leaves out (and names in the summary) a layer the basis would not project; a list or
+            # regex asked for it by name, which is refused below.
+            reason = f"{_PROJECTED_SIDE[config.proj_type]} <= rank {config.rank}"
+            if explicit:
+                too_small.append((name, module))
         if reason is not None:
             report.skipped[name] = reason
             report.skipped_params += numel
@@ -259,6 +290,20 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
         raise ValueError(
             f"{which} matched no nn.Linear or experts module, so it excludes nothing; linear layers in this "
             f"model are e.g. {linear_names[:8]} {_no_match_hint(unmatched[0], linear_names)}"
+        )
+    if too_small:
+        # the smallest limit first: a rank below it fixes every layer counted
+        name, module = min(
+            too_small, key=lambda item: _projection_limit(config.proj_type, item[1].out_features, item[1].in_features)
+        )
+        rows, cols = module.out_features, module.in_features
+        more = f" (and {len(too_small) - 1} more layers it selects)" if len(too_small) > 1 else ""
+        raise ValueError(
+            f"rank={config.rank} is at least {_covered(config.proj_type, config.rank, rows, cols)} of {name!r} "
+            f"(weight {rows} x {cols}, proj_type={config.proj_type!r}), which target_modules="
+            f"{config.target_modules!r} selects{more}: GaLore would not project it, its factor would be the whole "
+            f"weight. Use rank < {_projection_limit(config.proj_type, rows, cols)}, or leave the layer out of "
+            "target_modules (or name it in exclude_modules) to train it with plain optimizer state."
         )
     if not selected:
         linear = linear_names
@@ -289,7 +334,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
                 f"in this model are e.g. {[n for n in report.skipped][:8]} "
                 f"{_no_match_hint(config.target_modules, linear)}"
             )
-        by_rank = [n for n, r in report.skipped.items() if r.startswith("smaller side")]
+        by_rank = [n for n, r in report.skipped.items() if r.endswith(f" <= rank {config.rank}")]
         if by_rank:
             raise ValueError(
                 "no nn.Linear layer to train with GaLore: " + report.summary() + ". Lower `rank` "
@@ -298,12 +343,6 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
         raise ValueError(
             "no nn.Linear layer to train with GaLore: " + report.summary() + ". Name the layers to train in "
             "target_modules, or make them trainable (requires_grad=True)"
-        )
-    too_big = [n for n, m in selected if config.rank >= max(m.out_features, m.in_features)]
-    if too_big and len(too_big) == len(selected):
-        raise ValueError(
-            f"rank={config.rank} is at least both sides of every targeted layer (e.g. {too_big[0]!r}): GaLore "
-            "would be plain AdamW there. Use a smaller rank or train these layers with AdamW"
         )
     return selected, report
 
@@ -376,6 +415,26 @@ def expert_layout_problem(module: nn.Module) -> str | None:
     return None
 
 
+def _check_expert_rank(name: str, params: dict[str, nn.Parameter], config: GaLoreConfig) -> None:
+    """Refuse an expert rank at which the experts of a projection are not projected (:func:`_projection_limit`)."""
+    rank, proj_type = config.expert_rank, config.proj_type
+    limits = {}
+    for projection, param in params.items():
+        count, rows, cols = whole_shape(param)
+        limits[projection] = (_projection_limit(proj_type, rows, cols), count, rows, cols)
+    too_small = [projection for projection, (limit, *_) in limits.items() if rank >= limit]
+    if not too_small:
+        return
+    projection = min(too_small, key=lambda p: limits[p][0])  # the smallest limit: a rank below it fits all
+    limit, count, rows, cols = limits[projection]
+    raise ValueError(
+        f"expert_rank={rank} is at least {_covered(proj_type, rank, rows, cols)} of every expert of {name!r}: its "
+        f"{projection} holds {count} experts of {rows} x {cols} (proj_type={proj_type!r}), which GaLore would not "
+        f"project (each factor would be the whole expert weight). Use expert_rank < {limit}, or leave these "
+        "experts to plain optimizer state (exclude_modules, or experts=False)."
+    )
+
+
 def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: TargetReport) -> list[tuple[str, nn.Module]]:
     """The experts modules of `model` to replace by :class:`GaLoreExperts` (with ``config.experts``); every
     experts module left out goes into `report` with its reason."""
@@ -398,6 +457,7 @@ def select_expert_targets(model: nn.Module, config: GaLoreConfig, report: Target
         elif excluded is not None and _matches(name, excluded):
             reason = "in exclude_modules"
         else:
+            _check_expert_rank(name, params, config)
             selected.append((name, module))
             report.experts.append(name)
             report.expert_params += numel

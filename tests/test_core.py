@@ -175,11 +175,13 @@ def test_matches_dense_reference_galore(proj_type, shape, moment_handling):
 
 def test_full_rank_basis_reproduces_torch_adamw():
     # rank >= the projected side: the subspace is the whole space and GaLore is AdamW on W (scale 1).
+    # prepare_model refuses to target such a layer (nothing is projected); the identity basis is still the one a
+    # two-sided basis (proj_type='full') keeps on a side the rank covers, so the layer is built directly.
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(8, 24, bias=True))
     model = nn.Sequential(nn.Linear(8, 24, bias=True))
     model.load_state_dict(dense.state_dict())
-    prepare_model(model, GaLoreConfig(rank=8, scale=1.0, target_modules=["0"]))
+    model[0] = GaLoreLinear(model[0], GaLoreConfig(rank=8, scale=1.0))
     assert model[0].right_identity
     ours = create_optimizer(model, lr=3e-3, weight_decay=0.05)
     theirs = torch.optim.AdamW(dense.parameters(), lr=3e-3, weight_decay=0.05)

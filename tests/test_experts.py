@@ -503,7 +503,7 @@ def test_planner_traces_projected_experts(tmp_path):
             methods=["galore_adamw"],
             seq_len=32,
             rank=8,
-            optim_args=f"experts={flag},expert_rank=4",
+            optim_args="experts=true,expert_rank=4" if flag == "true" else "experts=false",
             full_trace=True,
             device="cpu",
         )["methods"]["galore_adamw"]  # fmt: skip

@@ -499,3 +499,111 @@ def test_config_help_states_the_matching_rule_of_both_fields():
 def test_pattern_fields_refuse_entries_that_are_not_strings(field, value, fragment):
     with pytest.raises(ValueError, match=rf"GaLoreConfig.{field}=.* is invalid: .*{re.escape(fragment)}"):
         hgp.GaLoreConfig(**{field: value})
+
+
+# ---------------------------------------------------------------------- ranks a layer cannot take
+def _gqa_llama():
+    """tiny_llama with one key/value head: k_proj and v_proj are 16 x 32, every other decoder layer 32 wide."""
+    return tiny_llama(num_key_value_heads=1)
+
+
+# k_proj of _gqa_llama() is 16 x 32 (out x in). (proj_type, rank) -> the rank from which the sides proj_type
+# keeps are covered whole (projection.resolve_sides: std keeps the smaller side, reverse_std the larger, left
+# the output side, right the input side, full both), or None where the rank still projects a side, with the
+# factor's shape there.
+PROJECTION_LIMITS = [
+    ("std", 16, 16, None),
+    ("std", 32, 16, None),
+    ("left", 16, 16, None),
+    ("reverse_std", 32, 32, None),
+    ("full", 32, 32, None),
+    ("std", 15, None, (15, 32)),
+    ("reverse_std", 16, None, (16, 16)),
+    ("right", 16, None, (16, 16)),
+    ("full", 16, None, (16, 16)),
+]
+
+
+@pytest.mark.parametrize("proj_type, rank, limit, factor", [case for case in PROJECTION_LIMITS if case[2]])
+def test_explicit_target_the_rank_does_not_project_is_refused(proj_type, rank, limit, factor):
+    model = _gqa_llama()
+    config = hgp.GaLoreConfig(rank=rank, proj_type=proj_type, target_modules=["k_proj", "v_proj"])
+    with pytest.raises(ValueError) as info:
+        hgp.prepare_model(model, config)
+    message = str(info.value)
+    assert "'model.layers.0.self_attn.k_proj'" in message and "16 x 32" in message  # the layer and its weight
+    assert "and 1 more layers" in message  # v_proj
+    assert f"rank={rank}" in message and f"rank < {limit}" in message and "target_modules" in message  # the fix
+    assert hgp.state_of(model) is None
+
+
+@pytest.mark.parametrize("proj_type, rank, limit, factor", [case for case in PROJECTION_LIMITS if not case[2]])
+def test_explicit_target_the_rank_projects_is_accepted(proj_type, rank, limit, factor):
+    config = hgp.GaLoreConfig(rank=rank, proj_type=proj_type, target_modules=["k_proj"])
+    model = hgp.prepare_model(_gqa_llama(), config)
+    (name, layer), *_ = hgp.galore_layers(model)
+    assert name == "model.layers.0.self_attn.k_proj" and tuple(layer.galore_factor.shape) == factor
+
+
+def test_all_linear_skips_layers_at_most_rank_wide_and_names_them():
+    model = hgp.prepare_model(_gqa_llama(), hgp.GaLoreConfig(rank=16, target_modules="all-linear"))
+    report = hgp.state_of(model).report
+    small = [DECODER[1], DECODER[2]]  # k_proj, v_proj: 16 x 32
+    assert report.targeted == [name for name in DECODER if name not in small] + ["lm_head"]
+    assert {name: report.skipped[name] for name in small} == dict.fromkeys(small, "smaller side <= rank 16")
+    assert all(name in report.matched_skipped for name in small)
+    assert "matched by target_modules but not projected: " in report.summary()
+
+
+# ---------------------------------------------------------------------- expert ranks
+def _tiny_moe() -> nn.Module:
+    """A Qwen3-MoE of 2 layers, 4 experts of gate_up_proj 64 x 64 and down_proj 64 x 32 each."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+@pytest.mark.parametrize("expert_rank", [32, 64])
+def test_expert_rank_at_least_an_experts_smaller_side_is_refused(expert_rank):
+    model = _tiny_moe()
+    with pytest.raises(ValueError) as info:
+        hgp.prepare_model(model, hgp.GaLoreConfig(rank=8, experts=True, expert_rank=expert_rank))
+    message = str(info.value)
+    assert "'model.layers.0.mlp.experts'" in message and "down_proj" in message and "64 x 32" in message
+    assert f"expert_rank={expert_rank}" in message and "expert_rank < 32" in message
+    assert hgp.state_of(model) is None
+
+
+def test_expert_rank_below_every_experts_smaller_side_is_accepted():
+    model = hgp.prepare_model(_tiny_moe(), hgp.GaLoreConfig(rank=8, experts=True, expert_rank=31))
+    assert hgp.state_of(model).report.experts == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+
+
+def test_exclude_modules_regex_leaves_one_experts_module_out():
+    config = hgp.GaLoreConfig(rank=8, experts=True, expert_rank=4, exclude_modules=r"model\.layers\.0\.mlp\.experts")
+    report = hgp.state_of(hgp.prepare_model(_tiny_moe(), config)).report
+    assert report.experts == ["model.layers.1.mlp.experts"]
+    assert report.unprojected_experts == {"model.layers.0.mlp.experts": "in exclude_modules"}
+
+
+@pytest.mark.parametrize("expert_rank", [4, 64])
+def test_expert_rank_without_experts_is_refused(expert_rank):
+    with pytest.raises(ValueError, match=rf"GaLoreConfig.expert_rank={expert_rank} is invalid: .*experts=True"):
+        hgp.GaLoreConfig(expert_rank=expert_rank)
+
+
+def test_expert_rank_without_experts_through_optim_args_is_refused(tmp_path):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"expert_rank=4 is invalid: .*experts=True"):
+        Trainer(model=model, args=args(tmp_path, optim="galore_adamw", optim_args="rank=4,expert_rank=4"))
+    assert hgp.state_of(model) is None
+
+
+def test_expert_rank_at_its_default_or_with_experts_is_accepted():
+    # The default value cannot be told apart from no value, and changes nothing without experts=True.
+    assert hgp.GaLoreConfig(expert_rank=16).experts is False
+    assert hgp.GaLoreConfig(experts=True, expert_rank=4).expert_rank == 4

@@ -176,6 +176,28 @@ def test_engine_rules_shard_state(monkeypatch):
     assert zero3["parts"]["weights"] == -(-single["parts"]["weights"] // 4)
 
 
+def test_plans_an_optimizer_name_another_package_registers(monkeypatch):
+    # Another package's entry point in group hf_galore_plugin.optimizers: the planner lists the name and plans
+    # it through the config it returns (here the 8-bit preset's, so the plan must equal that preset's).
+    from importlib.metadata import EntryPoint
+
+    import hf_galore_plugin.plan as plan_module
+    from hf_galore_plugin import registry
+
+    installed = registry.entry_points
+    other = EntryPoint("other_galore", "hf_galore_plugin.presets:galore_adamw_8bit", registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [*installed(group=group), other])
+    monkeypatch.setattr(plan_module, "load_config", lambda model, config_path: _llama(64, 176, 2, 512))
+    assert "other_galore" in plan_module.known_methods() and "other_galore" not in plan_module.METHODS
+    plan = estimate(model="tiny", methods=["other_galore", "galore_adamw_8bit"], seq_len=16, rank=16)["methods"]
+    assert plan["other_galore"]["traced"] is True
+    for key in ("peak_bytes", "parts", "refresh_peak_bytes", "refresh_parts"):
+        assert plan["other_galore"][key] == plan["galore_adamw_8bit"][key], key
+
+
+QUICK = ["--model", "llama-2-7b", "--methods", "adamw_torch", "--seq-len", "16"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -188,12 +210,88 @@ def test_engine_rules_shard_state(monkeypatch):
         (["--model", "llama-2-7b", "--engine", "fsdp9"], "--engine 'fsdp9'"),
         (["--model", "llama-2-7b", "--dtype", "int3"], "--dtype 'int3'"),
         ([], "exactly one of --model"),
+        # refused before any trace; a plan that ran would trace one method at seq 16
+        ([*QUICK, "--engine", "zero3"], "--engine 'zero3' without --world-size"),
+        ([*QUICK, "--engine", "ddp", "--world-size", "1"], "--engine 'ddp' without --world-size"),
+        ([*QUICK, "--plot", "/nonexistent/folder/plan.png"], "--plot: folder '/nonexistent/folder' does not exist"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def _tiny_config(tmp_path, **overrides) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_llama(64, 176, 2, 512).to_dict(), **overrides}))
+    return str(path)
+
+
+# Bad input only the model's shapes reveal: refused with one line before any trace, naming the argument and the fix.
+SHAPE_ERRORS = [
+    # every layer of the 64-wide model is at most --rank wide: nothing left to project
+    pytest.param(["--rank", "64"], {}, ["no nn.Linear layer to train", "--rank", "Lower `rank` (now 64)"], id="rank"),
+    pytest.param(["--optim-args", "rank=100"], {}, ["--optim-args", "Lower `rank` (now 100)"], id="optim-args-rank"),
+    pytest.param(
+        ["--rank", "16", "--optim-args", "target_modules=q_proj"], {},
+        ["--optim-args", "target_modules='q_proj' matched no trainable", "'.*q_proj'"], id="zero-targets",
+    ),
+    pytest.param(
+        ["--rank", "16", "--optim-args", "exclude_modules=o_porj+"], {},
+        ["--optim-args", "exclude_modules entry 'o_porj'", "matched no"], id="exclude-typo",
+    ),
+    pytest.param(
+        ["--rank", "64", "--optim-args", "target_modules=.*proj"], {},
+        ["--optim-args", "'model.layers.0.self_attn.q_proj'", "64 x 64", "rank < 64"], id="explicit-target-rank",
+    ),
+    pytest.param(
+        ["--rank", "16"], {"hidden_size": -64},
+        ["config file", "hidden_size=-64", "positive"], id="negative-size",
+    ),
+    pytest.param(
+        ["--rank", "16"], {"num_hidden_layers": -2},
+        ["config file", "num_hidden_layers=-2", "positive"], id="negative-layers",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, fields, fragments", SHAPE_ERRORS)
+def test_cli_input_the_model_refuses_exits_2_with_one_line(tmp_path, capsys, argv, fields, fragments):
+    argv = ["--config", _tiny_config(tmp_path, **fields), "--seq-len", "16", "--methods", "galore_adamw", *argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_cli_expert_rank_too_large_for_the_experts_exits_2(tmp_path, capsys):
+    fields = dict(
+        model_type="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    argv = ["--config", str(tmp_path / "config.json"), "--methods", "galore_adamw", "--rank", "8",
+            "--optim-args", "experts=true,expert_rank=32"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "expert_rank=32" in err and "expert_rank < 32" in err, err
+
+
+def test_cli_plot_into_a_folder_that_is_a_file_exits_2(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main([*QUICK, "--plot", str(tmp_path / "file" / "plan.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--plot" in err and "is not a folder" in err, err
+
+
+def test_estimate_refuses_an_engine_without_ranks():
+    from hf_galore_plugin.plan import PlanError
+
+    with pytest.raises(PlanError, match=r"--engine 'fsdp2' without --world-size"):
+        estimate(model="llama-2-7b", methods=["adamw_torch"], engine="fsdp2")
 
 
 def test_cli_rejects_config_that_is_not_a_causal_lm(tmp_path, capsys):

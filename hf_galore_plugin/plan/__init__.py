@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 from typing import Any, Optional, Sequence
 
 __all__ = ["estimate", "PlanError", "MODEL_NAMES", "METHODS", "GPU_SIZES_GB"]
@@ -40,6 +41,9 @@ def _models() -> dict[str, dict]:
 
 
 MODEL_NAMES = tuple(_models())
+# Config keys that hold a size or a count (hidden_size, head_dim, num_hidden_layers, n_routed_experts, ...):
+# a negative one is a typo that transformers passes on to torch as a tensor shape.
+_SIZE_KEY = re.compile(r"(_size|_dim|_heads|_layers|_experts|_positions|_tok)$|^(num|n)_")
 
 
 def load_config(model: Optional[str] = None, config: Optional[str] = None):
@@ -57,6 +61,7 @@ def load_config(model: Optional[str] = None, config: Optional[str] = None):
             )
         fields = dict(shapes[model])
         cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        source = f"--model {model}"
     else:
         assert config is not None  # exactly one of the two is given (checked above)
         path = pathlib.Path(config)
@@ -76,11 +81,18 @@ def load_config(model: Optional[str] = None, config: Optional[str] = None):
         except (ValueError, KeyError) as exc:
             raise PlanError(f"config file {str(path)!r}: unknown model_type {model_type!r} ({exc})") from exc
         assert isinstance(cfg, PretrainedConfig)
+        source = f"config file {str(path)!r}"
     if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise PlanError(
             f"model_type {cfg.model_type!r} is not a causal language model in transformers; the planner "
             "traces AutoModelForCausalLM (e.g. llama, mistral, qwen2)"
         )
+    for key, value in cfg.to_dict().items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0 and _SIZE_KEY.search(key):
+            raise PlanError(
+                f"{source}: {key}={value} is negative; a size or count must be a positive integer: correct it in "
+                "the config.json"
+            )
     return cfg
 
 
@@ -144,7 +156,7 @@ def estimate(
     lora_rank: int = 64,
     optim_args=None,
     world_size: int = 1,
-    engine: str = "ddp",
+    engine: Optional[str] = None,
     device: str = "cuda",
     full_trace: bool = False,
     liger: bool = False,
@@ -152,7 +164,8 @@ def estimate(
     """The plan as the ``--json`` object: model, params, settings and, per method, peak bytes of a
     normal and a refresh step, the parts at the peak, the largest tensors and whether it was traced.
 
-    `liger`: the loss of ``TrainingArguments(use_liger_kernel=True)`` (Liger's fused linear cross-entropy)."""
+    `liger`: the loss of ``TrainingArguments(use_liger_kernel=True)`` (Liger's fused linear cross-entropy).
+    `engine`: how `world_size` > 1 processes share the model (None: ddp); refused with one process."""
     from .trace import DTYPES, Settings, scaled_trace, trace_method
 
     methods = list(methods or METHODS)
@@ -165,8 +178,14 @@ def estimate(
             raise PlanError(f"--{name} must be a positive integer, got {value!r}")
     if dtype not in DTYPES:
         raise PlanError(f"--dtype {dtype!r} is not supported; choose from {', '.join(DTYPES)}")
-    if engine not in ENGINES:
+    if engine is not None and engine not in ENGINES:
         raise PlanError(f"--engine {engine!r} is not supported; choose from {', '.join(ENGINES)}")
+    if engine is not None and world_size == 1:
+        raise PlanError(
+            f"--engine {engine!r} without --world-size: an engine only changes a run of several processes; give "
+            "--world-size N (N > 1, the number of GPUs), or drop --engine to plan one process"
+        )
+    engine = engine or "ddp"
     if device not in ("cuda", "cpu"):
         raise PlanError(f"--device {device!r}: choose cuda (GPU code paths) or cpu")
     overrides = _parse_optim_args(optim_args)
@@ -178,11 +197,16 @@ def estimate(
         except UnsupportedByEngine as exc:
             raise PlanError(f"--optim-args state_offload={overrides['state_offload']}: {exc}") from exc
     cfg = load_config(model, config)
+    given = f"--rank {rank}" if "rank" not in overrides else ""
+    given += f" --optim-args {optim_args!r}" if overrides else ""
     settings = Settings(seq_len, batch_size, DTYPES[dtype], gradient_checkpointing, device,
                         overrides.pop("rank", rank), lora_rank, overrides, liger=liger)  # fmt: skip
+    meta = _meta_model(cfg, f"--model {model}" if model is not None else f"config file {config!r}")
+    for name in methods:
+        _check_targets(meta, name, settings, given.strip())
     result: dict[str, Any] = {
         "model": model or str(config),
-        "params": _count_params(cfg),
+        "params": sum(p.numel() for p in meta.parameters()),
         "settings": {
             "seq_len": seq_len,
             "batch_size": batch_size,
@@ -239,11 +263,31 @@ _RULES = {
 }  # fmt: skip
 
 
-def _count_params(cfg) -> int:
-    """Parameters of the model of `cfg`, counted on the meta device (no memory)."""
+def _meta_model(cfg, source: str):
+    """The model of `cfg` on the meta device (no memory); `source` names the config in an error."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    return sum(p.numel() for p in model.parameters())
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, ZeroDivisionError) as exc:
+        # Any failure here comes from the config's values (the code is transformers' own model class).
+        raise PlanError(f"{source}: transformers cannot build this model ({type(exc).__name__}: {exc}); check "
+                        "the config's sizes") from exc  # fmt: skip
+
+
+def _check_targets(meta, method: str, settings, given: str) -> None:
+    """Refuse, before any trace, a GaLore method whose settings select nothing or a layer they cannot project
+    on the model `meta` (the selection prepare_model makes, on the meta device); `given` names the arguments."""
+    from ..config import PRESETS, GaLoreConfig
+    from ..inject import select_expert_targets, select_targets
+
+    if method not in PRESETS:
+        return
+    try:
+        config = GaLoreConfig.preset(method, rank=settings.rank, **settings.optim_args)
+        _, report = select_targets(meta, config)
+        select_expert_targets(meta, config, report)
+    except ValueError as exc:
+        raise PlanError(f"{method} with {given}: {exc}") from exc

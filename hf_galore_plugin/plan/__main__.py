@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import pathlib
 import sys
 import time
+from typing import Optional
 
 from . import ENGINES, GPU_SIZES_GB, METHODS, MODEL_NAMES, PlanError, estimate
 
@@ -79,6 +82,27 @@ def plot(plan: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _plot_problem(path: str) -> Optional[str]:
+    """Why a chart cannot be written to `path` (None: it can), checked before the trace that precedes it."""
+    target = pathlib.Path(path)
+    folder = target.parent
+    if target.is_dir():
+        return f"{path!r} is a folder; give a file name, e.g. {str(target / 'plan.png')!r}"
+    if not folder.exists():
+        return f"folder {str(folder)!r} does not exist; create it, or give a file in an existing folder"
+    if not folder.is_dir():
+        return f"{str(folder)!r} is not a folder; give a file in an existing folder"
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed; pip install matplotlib, or drop --plot"
+    return None
+
+
+def _error(message: str) -> int:
+    # argparse's convention for bad input: one line on stderr, exit status 2; never a traceback.
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_galore_plugin.plan", description=__doc__)
     parser.add_argument("--model", help=f"a known shape: {', '.join(MODEL_NAMES)}")
@@ -93,8 +117,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (the dtype the model is trained in)")
-    parser.add_argument("--world-size", type=int, default=1)
-    parser.add_argument("--engine", default="ddp", help=f"one of {', '.join(ENGINES)} (per-rank bytes)")
+    parser.add_argument("--world-size", type=int, default=1, help="processes (GPUs) of the run")
+    parser.add_argument(
+        "--engine", help=f"with --world-size N > 1: one of {', '.join(ENGINES)} (per-rank bytes; default ddp)"
+    )
     parser.add_argument(
         "--device", default="cuda", help="cuda: the code paths of a GPU run (default); cpu: of a CPU run"
     )
@@ -107,6 +133,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart of the peaks to this file")
     args = parser.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    problem = _plot_problem(args.plot) if args.plot else None
+    if problem is not None:
+        return _error(f"--plot: {problem}")
     start = time.perf_counter()
     try:
         plan = estimate(
@@ -116,11 +145,13 @@ def main(argv=None) -> int:
             device=args.device, full_trace=args.full_trace, liger=args.liger_kernel,
         )  # fmt: skip
     except PlanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
     plan["seconds"] = round(time.perf_counter() - start, 1)
     if args.plot:
-        plot(plan, args.plot)
+        try:
+            plot(plan, args.plot)
+        except OSError as exc:
+            return _error(f"--plot: cannot write {args.plot!r} ({exc}); give a writable file")
     if args.json:
         print(json.dumps(plan))
     else:
