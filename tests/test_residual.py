@@ -282,6 +282,27 @@ def test_an_optimizer_that_reports_no_update_is_named():
             _train_step(model, optimizer, batch)
 
 
+@pytest.mark.parametrize("state_bits, tolerance", [(32, 1e-5), (8, 0.05)])
+def test_the_reported_update_is_the_step_the_factor_took(state_bits, tolerance):
+    # Without weight decay the factor moves by -lr * update; 8-bit moments are reported as stored (dequantized),
+    # the step used them before quantization: within their quantization error.
+    model = _model("right")
+    ((_, layer),) = galore_layers(model)
+    factor = layer.galore_factor
+    optimizer = AdamW([factor], lr=LR, state_bits=state_bits, min_8bit_numel=0)
+    reported = []
+    observe = layer.observe_update
+    layer.observe_update = lambda grad, update, lr: (reported.append(update.clone()), observe(grad, update, lr))
+    for batch in _batches("right", 4, 1):
+        before = factor.detach().clone()
+        _train_step(model, optimizer, batch)
+        if layer.calibrated and reported:
+            moved = (before - factor.detach()) / LR
+            update = reported[-1]
+            assert float((update - moved).norm()) <= tolerance * float(moved.norm())
+    assert len(reported) == 4
+
+
 # ---------------------------------------------------------------------- refusals
 _LABELS = {
     "fsdp1": "FSDP1",
