@@ -473,8 +473,11 @@ def test_two_ranks_with_experts_match_single_process(tmp_path, engine, schedule,
     for key, value in one["experts"].items():
         got = multi["experts"][key]
         if "galore_basis" in key:
-            # The subspaces (projectors Q Q^T): another summation order may flip a singular vector's sign or
-            # turn two vectors of nearly equal singular values within their span.
+            # The subspaces (projectors Q Q^T of the orthonormal bases: the stored one carries the layer's scale):
+            # another summation order may flip a singular vector's sign or turn two vectors of nearly equal
+            # singular values within their span.
+            scale = one["experts"].get(key.rsplit(".", 1)[0] + ".galore_folded_scale", torch.tensor(1.0))
+            got, value = got / scale, value / scale
             torch.testing.assert_close(got @ got.mT, value @ value.mT, rtol=0, atol=1e-5, msg=key)
         elif not value.is_floating_point():  # counters, per-expert refresh counts: the same decisions
             assert torch.equal(got, value), key
