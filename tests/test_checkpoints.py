@@ -1,7 +1,9 @@
 """GaLore checkpoints: a galore_state.pt is bound to its checkpoint (step, settings, merged weights);
 settings the saved tensors depend on are refused when they change, the others take effect and are
-logged; unreadable files are named; rotation never removes the last complete checkpoint; the
-Trainer's "latest checkpoint" is the newest complete one.
+logged (transformers' layerwise names resume checkpoints of the names they run, and back); unreadable
+files are named; rotation never removes the last complete checkpoint; the Trainer's "latest checkpoint"
+is the newest complete one; load_best_model_at_end verifies the best checkpoint as a resume does and
+says what to do about the best model when it refuses.
 
 Tiny Llama on random token ids, a few Trainer steps on CPU; one training run is shared by the module.
 """
@@ -28,7 +30,7 @@ from conftest import training_args  # noqa: E402
 
 from hf_galore_plugin.checkpoint.files import GaLoreCheckpointError  # noqa: E402
 from hf_galore_plugin.checkpoint.manifest import MANIFEST_NAME, write_manifest  # noqa: E402
-from hf_galore_plugin.checkpoint.state import GALORE_STATE_FORMAT, GALORE_STATE_NAME  # noqa: E402
+from hf_galore_plugin.checkpoint.state import GALORE_STATE_FORMAT, GALORE_STATE_NAME, tensor_checksums  # noqa: E402
 from hf_galore_plugin.integrations import saving  # noqa: E402
 
 ARGS = "rank=4,update_proj_gap=2"
@@ -90,6 +92,7 @@ def test_galore_state_carries_step_settings_and_optimizer(run_dir):
     assert saved["global_step"] == 4 and saved["optimizer"] == "galore_adamw"
     assert saved["config"] == hgp.GaLoreConfig(rank=4, update_proj_gap=2).to_dict()
     assert any(key.endswith("galore_factor") for key in saved["state"])
+    assert saved["checksums"] == tensor_checksums(saved["state"])  # every tensor's, checked on every load
     assert not [name for name in os.listdir(run_dir / "checkpoint-4") if ".tmp" in name]
 
 
@@ -162,7 +165,7 @@ def test_a_new_save_into_an_old_folder_removes_the_stale_manifest_state_and_temp
 @pytest.mark.parametrize(
     "optim_args, field, saved, now",
     [
-        ("rank=4,update_proj_gap=2,scale=0.5", "scale", "0.25", "0.5"),
+        ("rank=4,update_proj_gap=2,scale=0.5", "scale", "'auto'", "0.5"),
         ("rank=8,update_proj_gap=2", "rank", "4", "8"),
         ("rank=4,update_proj_gap=2,proj_type=left", "proj_type", "'std'", "'left'"),
         ("rank=4,update_proj_gap=2,basis_storage=int8", "basis_storage", "'as_computed'", "'int8'"),
@@ -180,6 +183,24 @@ def test_changed_optimizer_name_is_refused(run_dir, tmp_path):
     trainer = make_trainer(tmp_path / "resumed", optim="galore_adamw_8bit", max_steps=6)
     with pytest.raises(GaLoreCheckpointError, match=r"state_bits: saved 32, now 8"):
         trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-4"))
+
+
+@pytest.mark.parametrize(
+    "first, then", [("galore_adamw", "galore_adamw_layerwise"), ("galore_adamw_layerwise", "galore_adamw")]
+)
+def test_layerwise_name_resumes_a_checkpoint_of_the_name_it_runs_exactly(tmp_path, first, then):
+    # transformers' layerwise names run the plugin's optimizer of the base name (registry.LAYERWISE_ALIASES):
+    # the two train bit-identically, so a checkpoint of one resumes under the other. Oracle: the
+    # uninterrupted run under the first name.
+    full = make_trainer(tmp_path / "full", optim=first)
+    full.train()
+    resumed = make_trainer(tmp_path / "resumed", optim=then, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    expected, got = full.model.state_dict(), resumed.model.state_dict()
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
 
 
 def test_changed_update_proj_gap_takes_effect_and_is_logged(run_dir, tmp_path, caplog):
@@ -330,3 +351,59 @@ def test_peft_load_best_model_at_end_restores_the_best_checkpoint_exactly(tmp_pa
     assert saved.keys() == got.keys()
     for key in saved:
         torch.testing.assert_close(got[key], saved[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+# ---------------------------------------------------------------------- load_best_model_at_end
+class _DamageBest(transformers.TrainerCallback):
+    """Right after checkpoint-2 is complete: damage a basis in its galore_state.pt and delete its manifest,
+    rewrite it over the damage, or keep it (then the manifest sees the damage)."""
+
+    def __init__(self, manifest: str):
+        self.manifest = manifest
+        self.key = ""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step != 2:
+            return
+        folder = os.path.join(args.output_dir, "checkpoint-2")
+        path = os.path.join(folder, GALORE_STATE_NAME)
+        payload = torch.load(path, weights_only=True)
+        state = payload["state"]
+        # a layer that refreshed in step 2: its factor is zero, so the merged weights do not show its basis
+        layer = next(
+            k.removesuffix(".galore_factor") for k, v in state.items() if k.endswith(".galore_factor") and not v.any()
+        )
+        self.key = next(key for key in state if key.startswith(f"{layer}.galore_basis_"))
+        state[self.key].view(-1)[3] += 1.5e-3
+        with open(path, "wb") as handle:
+            torch.save(payload, handle)
+        if self.manifest == "deleted":
+            os.remove(os.path.join(folder, MANIFEST_NAME))
+        elif self.manifest == "rewritten":
+            reseal(folder)
+
+
+@pytest.mark.parametrize("manifest", ["deleted", "rewritten", "kept"])
+def test_load_best_model_at_end_refuses_a_damaged_best_checkpoint_with_advice_for_the_load(tmp_path, manifest):
+    # The best checkpoint is verified as a resume verifies one; its refusal says what to do about the best
+    # model (training has finished): nothing about resuming or a new run. greater_is_better: the worse,
+    # earlier checkpoint is the best, not the model in memory.
+    args = training_args(
+        tmp_path, optim_args=ARGS, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+    )  # fmt: skip
+    damage = _DamageBest(manifest)
+    trainer = Trainer(
+        model=tiny_llama(), args=args, train_dataset=token_data(), eval_dataset=token_data(8), callbacks=[damage]
+    )
+    with pytest.raises(GaLoreCheckpointError) as info:
+        trainer.train()
+    message = str(info.value)
+    best = trainer.state.best_model_checkpoint
+    assert best == str(tmp_path / "checkpoint-2") and best in message, message
+    assert "load_best_model_at_end=False, or pick another checkpoint of this run" in message, message
+    assert "resume" not in message.lower() and "new run" not in message, message
+    if manifest == "deleted":
+        assert f"is incomplete: it has no {MANIFEST_NAME}" in message
+    else:  # named by the tensors' own checksums, or by the manifest
+        assert f"{os.path.join(best, GALORE_STATE_NAME)} is damaged" in message and f"state.{damage.key}" in message

@@ -8,9 +8,9 @@
    in README "Checkpoints and failures" is this test's. The kill points and the worker are in
    tests/_fault_worker.py (one interpreter, forked runs).
 2. Damage every file of a complete checkpoint (a flipped byte, a truncation, the file of another step),
-   its counters (behind a re-sealed manifest), and fill the disk during every save (a small tmpfs): each
-   is refused naming the file, or fails with one "no space left on device" error leaving the previous
-   checkpoint intact. These run in process.
+   its counters, a basis right after its refresh and an expert stack (behind a re-sealed manifest), and
+   fill the disk during every save (a small tmpfs): each is refused naming the file, or fails with one
+   "no space left on device" error leaving the previous checkpoint intact. These run in process.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from hf_galore_plugin.checkpoint.manifest import (  # noqa: E402
     checkpoint_files,
     write_manifest,
 )
-from hf_galore_plugin.checkpoint.state import GALORE_STATE_NAME  # noqa: E402
+from hf_galore_plugin.checkpoint.state import GALORE_STATE_NAME, tensor_checksums  # noqa: E402
 from hf_galore_plugin.layers import assign_refresh_phases  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fault_worker.py")
@@ -212,6 +212,109 @@ def test_counters_out_of_schedule_are_refused_even_with_a_matching_manifest(
     message = _refused(resumer, str(folder))
     assert re.search(pattern, message), message
     assert "self_attn.q_proj" in message
+
+
+def _rewrite(path: str, payload: dict) -> None:
+    with open(path, "wb") as handle:  # as the plugin writes it (torch names the archive after a path)
+        torch.save(payload, handle)
+
+
+@pytest.mark.parametrize("damage", ["1.5e-3 added", "lowest mantissa bit flipped"])
+def test_damaged_basis_right_after_its_refresh_is_refused_behind_a_rewritten_manifest(
+    run_dir, resumer, tmp_path, damage
+):
+    # checkpoint-4: the phase-0 layers refreshed at step 3, so their factor is zero and the merged weight
+    # W0 + scale * 0 Q^T, which the model file holds, does not depend on their basis: with the manifest
+    # rewritten over the damage, only the tensors' own checksums in galore_state.pt can see it.
+    folder = tmp_path / "checkpoint-4"
+    shutil.copytree(run_dir / "checkpoint-4", folder)
+    path = str(folder / GALORE_STATE_NAME)
+    payload = torch.load(path, weights_only=True)
+    state = payload["state"]
+    layer = next(
+        k.removesuffix(".galore_factor") for k, v in state.items() if k.endswith(".galore_factor") and not v.any()
+    )
+    assert state[f"{layer}.galore_last_refresh"] == 3  # refreshed in the checkpoint's last step
+    key = next(k for k in state if k.startswith(f"{layer}.galore_basis_"))
+    if damage == "1.5e-3 added":
+        state[key].view(-1)[5] += 1.5e-3
+    else:
+        state[key].view(-1).view(torch.int32)[5] ^= 1
+    _rewrite(path, payload)
+    write_manifest(str(folder), global_step=4)  # re-sealed: the checks behind the manifest must stand alone
+    message = _refused(resumer, str(folder))
+    assert f"{path} is damaged" in message and f"state.{key}" in message, message
+
+
+# A tiny Qwen3-MoE (tests/test_experts.py builds the same family): its experts are GaLore expert stacks,
+# whose merged 3-D weights transformers writes as one tensor per expert and projection.
+def _moe_trainer(output_dir, **overrides) -> Trainer:
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    args = training_args(
+        output_dir,
+        **{
+            "optim_args": "rank=4,update_proj_gap=3,experts=true,expert_rank=2",
+            "save_strategy": "steps",
+            "save_steps": 4,
+            **overrides,
+        },
+    )
+    return Trainer(model=model, args=args, train_dataset=token_data(32, 8, vocab=128))
+
+
+@pytest.fixture(scope="module")
+def moe_run_dir(tmp_path_factory):
+    """checkpoint-4 of an MoE run."""
+    out = tmp_path_factory.mktemp("moe_run")
+    with pytest.MonkeyPatch.context() as patch:
+        use_torch_twins(patch)
+        trainer = _moe_trainer(out)
+        assert any(key.endswith("experts.gate_up_proj.galore_factor") for key in hgp.galore_state_dict(trainer.model))
+        trainer.train()
+    return out
+
+
+STACK = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+@pytest.mark.parametrize(
+    "damage", ["expert factor", "expert factor, checksums rewritten too", "merged expert weight in the model file"]
+)
+def test_damaged_expert_stack_is_refused_behind_a_rewritten_manifest(moe_run_dir, tmp_path, damage):
+    # 3.5e-3 added to one value; the manifest is rewritten over the damage. The checksums see a changed
+    # factor; the merged-weight check (expert stacks included) sees a factor whose file was rewritten whole,
+    # and a damaged merged weight in the model file (the model file has no checksums of its own).
+    folder = tmp_path / "checkpoint-4"
+    shutil.copytree(moe_run_dir / "checkpoint-4", folder)
+    if damage == "merged expert weight in the model file":
+        from safetensors.torch import load_file, save_file
+
+        path = str(folder / "model.safetensors")
+        weights = load_file(path)
+        weights["model.layers.0.mlp.experts.1.gate_proj.weight"][0, 0] += 3.5e-3  # transformers' layout
+        save_file(weights, path, metadata={"format": "pt"})
+    else:
+        path = str(folder / GALORE_STATE_NAME)
+        payload = torch.load(path, weights_only=True)
+        payload["state"][f"{STACK}.galore_factor"][1].view(-1)[0] += 3.5e-3
+        if damage == "expert factor, checksums rewritten too":
+            payload["checksums"] = tensor_checksums(payload["state"])
+        _rewrite(path, payload)
+    write_manifest(str(folder), global_step=4)
+    with pytest.MonkeyPatch.context() as patch:
+        use_torch_twins(patch)
+        trainer = _moe_trainer(tmp_path / "resumed", max_steps=6)
+        message = _refused(trainer, str(folder))
+    if damage == "expert factor":
+        assert f"{path} is damaged" in message and f"state.{STACK}.galore_factor" in message, message
+    else:
+        assert "disagree: the merged weight of" in message and repr(STACK) in message, message
 
 
 def test_resume_true_refuses_a_damaged_newest_checkpoint_naming_the_previous_one(run_dir, tmp_path):

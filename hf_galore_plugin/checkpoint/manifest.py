@@ -239,8 +239,9 @@ def write_atomically(path: str, data: bytes) -> None:
 
 
 # ---------------------------------------------------------------------- read and verify
-def read_manifest(folder: str) -> dict[str, Any]:
-    """The manifest of `folder`; a damaged one raises :class:`CheckpointIntegrityError` naming it."""
+def read_manifest(folder: str, *, advice: str = "") -> dict[str, Any]:
+    """The manifest of `folder`; a damaged one raises :class:`CheckpointIntegrityError` naming it, ending
+    with `advice` (what to do instead; else a resume's)."""
     path = os.path.join(folder, MANIFEST_NAME)
     try:
         with open(path, "rb") as handle:
@@ -252,8 +253,8 @@ def read_manifest(folder: str) -> dict[str, Any]:
     if not valid:
         raise CheckpointIntegrityError(
             f"checkpoint {folder}: its manifest {MANIFEST_NAME} is damaged (not the JSON this version writes, or "
-            "its own checksum does not match), so none of the checkpoint's files can be verified. Resume from "
-            "an earlier complete checkpoint of this run, or restore the file."
+            "its own checksum does not match), so none of the checkpoint's files can be verified. "
+            + (advice or "Resume from an earlier complete checkpoint of this run, or restore the file.")
         )
     return manifest
 
@@ -320,9 +321,10 @@ def _damaged_parts(folder: str, name: str, labels: list[str]) -> str:
 def verify_manifest(folder: str, *, hint: str = "") -> dict[str, float]:
     """Check every file `folder`'s manifest lists: present, of its size, with the same CRC-32 per part.
     Raises :class:`CheckpointIntegrityError` naming each bad file (and the tensor, where the file says)
-    and the checkpoint; `hint` is appended (what to resume from instead). Returns {"bytes", "seconds"}."""
+    and the checkpoint; `hint` is appended (what to do instead: which checkpoint to resume from, or what a
+    load of the checkpoint for another purpose should do). Returns {"bytes", "seconds"}."""
     started = time.perf_counter()
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder, advice=hint)
     step = manifest.get("global_step")
     problems = []
     layouts = {}
@@ -360,7 +362,7 @@ def verify_manifest(folder: str, *, hint: str = "") -> dict[str, float]:
             f"checkpoint {folder} failed its integrity check ({MANIFEST_NAME}): "
             + "; ".join(problems)
             + ". Its files are not the ones written together at that step (damaged on disk or in a copy, "
-            "truncated, or copied from another checkpoint), so it cannot resume exactly."
+            "truncated, or copied from another checkpoint), so it cannot be restored exactly."
             + (f" {hint}" if hint else " Resume from an earlier complete checkpoint, or restore the files.")
         )
     total = sum(size for size, _ in layouts.values())

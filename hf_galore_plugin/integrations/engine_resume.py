@@ -12,16 +12,29 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from contextvars import ContextVar
+from typing import Any, Callable, Optional
 
 from ..checkpoint.state import apply_mutable_changes, read_checkpoint_state
+from ..registry import LAYERWISE_ALIASES
 from ..state import state_of
 from .common import unwrap_optimizer
 from .distributed import load_gathered_galore_state_dict
 from .names import trainer_optimizer_name
 from .patching import mark
 
-__all__ = ["load_fsdp_galore_state", "wrap_load_optimizer_and_scheduler", "wrap_deepspeed_load_checkpoint"]
+__all__ = [
+    "LOAD_ADVICE",
+    "load_fsdp_galore_state",
+    "wrap_load_optimizer_and_scheduler",
+    "wrap_deepspeed_load_checkpoint",
+]
+
+# What a refused checkpoint's message tells the user to do. None: a resume's advice (the checks' own);
+# a load for another purpose sets its own around the Trainer's load (``load_best_model_at_end``:
+# :func:`hf_galore_plugin.integrations.loading.wrap_load_best_model`), which reaches the engines' load
+# paths here through transformers' code.
+LOAD_ADVICE: ContextVar[Optional[str]] = ContextVar("hf_galore_plugin_load_advice", default=None)
 
 
 def load_fsdp_galore_state(trainer: Any, prepared: Any, load: Callable[[], Any], folder: str) -> Any:
@@ -29,7 +42,13 @@ def load_fsdp_galore_state(trainer: Any, prepared: Any, load: Callable[[], Any],
     the sharded GaLore layers of `prepared` (every rank)."""
     result = load()
     root = getattr(trainer, "model_wrapped", None) or trainer.model
-    payload = read_checkpoint_state(folder, prepared, trainer_optimizer_name(trainer))
+    payload = read_checkpoint_state(
+        folder,
+        prepared,
+        trainer_optimizer_name(trainer),
+        optimizer_aliases=LAYERWISE_ALIASES,
+        advice=LOAD_ADVICE.get(),
+    )
     load_gathered_galore_state_dict(prepared, payload["state"], root=root)  # every rank
     apply_mutable_changes(prepared, payload["changed"], where=f"checkpoint {folder}")
     return result
@@ -70,7 +89,7 @@ def wrap_deepspeed_load_checkpoint(original: Callable) -> Callable:
         state = state_of(deepspeed_engine.module)
         if state is not None:
             prepared = state.model
-            payload = read_checkpoint_state(checkpoint_path, prepared)
+            payload = read_checkpoint_state(checkpoint_path, prepared, advice=LOAD_ADVICE.get())
             load_gathered_galore_state_dict(prepared, payload["state"])  # every rank
             apply_mutable_changes(prepared, payload["changed"], where=f"checkpoint {checkpoint_path}")
         return result
