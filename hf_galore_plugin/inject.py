@@ -74,6 +74,21 @@ class TargetReport:
     unprojected_experts: dict[str, str] = field(default_factory=dict)
     unprojected_expert_params: int = 0
     model_params: int = 0
+    # The GaLore scale each replaced layer got (module name, an expert stack's with its projection -> scale).
+    layer_scales: dict[str, float] = field(default_factory=dict)
+
+    def scale_summary(self) -> str:
+        """Which scale the layers got: one value, or per value the layer kinds (last name part) and count."""
+        by_scale: dict[float, list[str]] = {}
+        for name, scale in self.layer_scales.items():
+            by_scale.setdefault(scale, []).append(name.rsplit(".", 1)[-1])
+        if len(by_scale) <= 1:
+            return "".join(f"scale {scale:.4g}" for scale in by_scale)
+        parts = []
+        for scale, kinds in sorted(by_scale.items(), reverse=True):
+            listed = ", ".join(dict.fromkeys(kinds))  # each kind once, in model order
+            parts.append(f"{scale:.4g} ({listed}: {len(kinds)} layers)")
+        return "scale per layer " + "; ".join(parts)
 
     def summary(self) -> str:
         reasons: dict[str, int] = {}
@@ -84,6 +99,8 @@ class TargetReport:
             f"GaLore targets {len(self.targeted)} nn.Linear layers ({self.targeted_params:,} weight parameters); "
             f"skipped {len(self.skipped)} ({self.skipped_params:,} parameters): {why}"
         )
+        if self.layer_scales:
+            line += f"; {self.scale_summary()}"
         if self.matched_skipped:
             by_reason: dict[str, list[str]] = {}
             for name in self.matched_skipped:
@@ -537,11 +554,14 @@ def replace_targets(model: nn.Module, config: GaLoreConfig, *, build: ModuleBuil
         # One at a time: a quantized W0 replaces the original weight before the next layer is built.
         layer = build(module, functools.partial(_galore_linear, module, config, index))
         layers.append(layer)
+        report.layer_scales[name] = layer.scale
         swap_submodule(model, name, layer)
     for name, experts_module in experts:
         # Seeds continue the linear layers' indices: two stacks (gate_up_proj, down_proj) per module.
         replacement = build(experts_module, functools.partial(_galore_experts, experts_module, config, len(layers)))
         layers.extend(getattr(replacement, projection) for projection in EXPERT_PROJECTIONS)
+        for projection in EXPERT_PROJECTIONS:
+            report.layer_scales[f"{name}.{projection}"] = getattr(replacement, projection).scale
         swap_submodule(model, name, replacement)
     assign_refresh_phases(layers)
     logger.info(report.summary())

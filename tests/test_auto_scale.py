@@ -9,7 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_layers, prepare_model, state_of
+from hf_galore_plugin import (
+    GaLoreConfig,
+    GaLoreLinear,
+    after_step,
+    create_optimizer,
+    galore_layers,
+    prepare_model,
+    state_of,
+)
 from hf_galore_plugin.api import galore_param_groups
 from hf_galore_plugin.checkpoint.state import GaLoreCheckpointError, compare_galore_config
 
@@ -36,14 +44,19 @@ def _expected(proj_type: str, m: int, n: int, rank: int) -> float:
     return math.sqrt(ratio)
 
 
-SHAPES = {"square": (64, 64), "tall": (96, 32), "wide": (24, 80), "covered": (64, 8)}
+SHAPES = {"square": (64, 64), "tall": (96, 32), "wide": (24, 80)}
 
 
 @pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right", "full"])
 def test_each_layer_gets_the_scale_of_its_projected_sides(proj_type):
-    model = prepare_model(_model(SHAPES), GaLoreConfig(rank=8, proj_type=proj_type, target_modules=list(SHAPES)))
-    scales = {name: layer.scale for name, layer in galore_layers(model)}
-    assert scales == {name: _expected(proj_type, m, n, 8) for name, (m, n) in SHAPES.items()}
+    # Layers built directly: target selection refuses an explicit target whose smaller side the rank covers,
+    # but a layer so built (and a two-sided layer whose rank covers one side) takes the identity there.
+    shapes = {**SHAPES, "covered": (64, 8)}
+    config = GaLoreConfig(rank=8, proj_type=proj_type)
+    scales = {
+        name: GaLoreLinear(nn.Linear(n_in, n_out, bias=False), config).scale for name, (n_out, n_in) in shapes.items()
+    }
+    assert scales == {name: _expected(proj_type, m, n, 8) for name, (m, n) in shapes.items()}
     assert scales["square"] == (64 / 8 if proj_type == "full" else math.sqrt(64 / 8))
     # the rank covers the projected side of 'covered' under std (8 columns): exactly AdamW's update, scale 1
     if proj_type == "std":
@@ -122,7 +135,7 @@ def test_optimizer_groups_split_by_scale_with_eps_times_scale():
         assert group["eps"] == 1e-8 * scale
         seen.update(group["galore_layers"])
     assert seen == set(SHAPES)
-    assert len(galore_groups) == len({layer.scale for layer in by_layer.values()}) == 4
+    assert len(galore_groups) == len({layer.scale for layer in by_layer.values()}) == 3
 
 
 def test_checkpoint_records_each_layers_resolved_scale_and_a_float_run_resumes_only_with_its_float():
@@ -166,3 +179,13 @@ def test_optim_args_take_auto_and_floats():
 
     assert parse_optim_args("scale=auto") == {"scale": "auto"}
     assert parse_optim_args("scale=0.25") == {"scale": 0.25}
+
+
+def test_summary_line_names_the_scale_each_layer_got():
+    model = prepare_model(_model(SHAPES), GaLoreConfig(rank=8, target_modules=list(SHAPES)))
+    summary = state_of(model).report.summary()
+    assert summary.endswith("; scale per layer 2.828 (square: 1 layers); 2 (tall: 1 layers); 1.732 (wide: 1 layers)"), (
+        summary
+    )
+    model = prepare_model(_model(SHAPES), GaLoreConfig(rank=8, scale=0.25, target_modules=list(SHAPES)))
+    assert state_of(model).report.summary().endswith("; scale 0.25")
