@@ -52,6 +52,7 @@ __all__ = [
     "enable_chunked_loss",
     "disable_chunked_loss",
     "chunked_loss_settings",
+    "output_head",
     "ChunkedLossForward",
     "CHUNK_ELEMENTS",
 ]
@@ -463,7 +464,7 @@ class ChunkedLossForward:
         if targets is None:
             # transformers' ForCausalLMLoss: position i predicts label i + 1; the last position predicts nothing.
             targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        head = _output_head(self.model)
+        head = _required_head(self.model)
         own_forward = head.__dict__.get("forward")
         head_forward = own_forward if own_forward is not None else type(head).forward.__get__(head)
         pending = _Pending(targets, kwargs.get("num_items_in_batch"), ignore_index)
@@ -495,13 +496,26 @@ class ChunkedLossForward:
         return type(out)(loss=pending.loss, **fields)
 
 
-def _output_head(model: nn.Module) -> nn.Module:
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if not isinstance(head, nn.Module):
+def output_head(model: nn.Module) -> Optional[nn.Module]:
+    """The output head of a causal LM, ``get_output_embeddings()`` (of the base model under a peft wrapper);
+    None where there is none: no such method, one that raises NotImplementedError or AttributeError (a model
+    without a head), or one that returns something other than a module."""
+    get_head = getattr(_causal_lm(model), "get_output_embeddings", None)
+    if not callable(get_head):
+        return None
+    try:
+        head = get_head()
+    except (NotImplementedError, AttributeError):
+        return None
+    return head if isinstance(head, nn.Module) else None
+
+
+def _required_head(model: nn.Module) -> nn.Module:
+    head = output_head(model)
+    if head is None:
         raise ValueError(
             f"chunked loss needs a causal LM with an output head: {type(model).__name__}.get_output_embeddings() "
-            f"returned {type(head).__name__}"
+            "gives no module"
         )
     return head
 
@@ -529,7 +543,7 @@ def enable_chunked_loss(
     if isinstance(installed, ChunkedLossForward):
         installed.chunk_tokens, installed.label_smoothing = chunk_tokens, float(label_smoothing)
         return model
-    head = _output_head(target)
+    head = _required_head(target)
     name = type(target).__name__
     forward = target.__dict__.get("forward") or type(target).forward
     if "labels" not in inspect.signature(forward).parameters:

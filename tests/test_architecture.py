@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "quant": {"utils", "codes", "kernels"},
     "engines": {"utils", "config", "state"},
     "layers": {"utils", "config", "projection", "quant", "engines"},
-    "inject": {"config", "layers"},
+    "inject": {"config", "layers", "loss"},
     "optim": {"utils", "codes", "kernels", "quant", "engines"},
     "presets": {"config"},
     "registry": {"config"},

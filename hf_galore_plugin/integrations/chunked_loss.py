@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from ..config import GaLoreConfig
 from ..layers import GaLoreLinear
-from ..loss import disable_chunked_loss, enable_chunked_loss
+from ..loss import disable_chunked_loss, enable_chunked_loss, output_head
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +41,6 @@ def liger_fused_linear_cross_entropy(args: Any) -> bool:
     return bool((getattr(args, "liger_kernel_config", None) or {}).get("fused_linear_cross_entropy", True))
 
 
-def _output_head(model: Any) -> Any:
-    model = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    get_head = getattr(model, "get_output_embeddings", None)
-    return get_head() if callable(get_head) else None
-
-
 def configure_trainer_loss(trainer: Any, config: GaLoreConfig) -> None:
     """Make a constructed Trainer's loss match `config` (see the module docstring)."""
     model = getattr(trainer, "model", None)
@@ -54,7 +48,7 @@ def configure_trainer_loss(trainer: Any, config: GaLoreConfig) -> None:
         return
     args = trainer.args
     liger = liger_fused_linear_cross_entropy(args)
-    if liger and isinstance(_output_head(model), GaLoreLinear):
+    if liger and isinstance(output_head(model), GaLoreLinear):
         raise ValueError(
             "use_liger_kernel=True swaps in Liger's fused linear cross-entropy, which computes the logits from "
             "lm_head.weight; the output head is a GaLore layer (target_modules selects it), whose weight is "
@@ -130,7 +124,7 @@ def check_head_weight_readers(trainer: Any) -> None:
     model = getattr(trainer, "model", None)
     if model is None:  # model_init: the model is built and prepared at train()
         return
-    head = _output_head(model)
+    head = output_head(model)
     if not isinstance(head, GaLoreLinear):
         return
     reader = _trl_head_weight_reader(trainer)
