@@ -25,7 +25,7 @@ from torch import nn
 from .config import GaLoreConfig
 from .engines.capabilities import check_moment_handling
 from .engines.collectives import is_dtensor
-from .engines.contract import gathers_parameters
+from .engines.contract import gathers_parameters, unwrap_optimizer
 from .engines.fsdp1 import check_fsdp1_layers, fsdp1_units, group_by_unit, had_gradient, summon_unit
 from .inject import galore_state_per_layer, iter_galore_layers, iter_galore_layers_by_key, replace_targets, unload
 from .layers import GaLoreLinear
@@ -326,7 +326,7 @@ _LR_WARNED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 def _warn_lr_scale_not_applied(config: GaLoreConfig, optimizer: torch.optim.Optimizer) -> None:
     """Once per optimizer: a non-default ``lr_scale`` / ``lr_recovery_fraction`` is applied by GaLoreCallback
     (a Trainer run) only; outside it the GaLore groups step at the rate they were given."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
+    inner = unwrap_optimizer(optimizer)
     if inner in LR_SCALED or inner in _LR_WARNED:
         return
     default = GaLoreConfig.__dataclass_fields__["lr_scale"].default

@@ -35,6 +35,7 @@ __all__ = [
     "param_changed",
     "reset_state",
     "transform_state",
+    "unwrap_optimizer",
     "update_observer",
 ]
 
@@ -66,6 +67,19 @@ class EngineAdapter(Protocol):
 
     def param_changed(self, param: torch.Tensor) -> None:
         """The layer changed `param` in place in the model: make the engine's own copy follow."""
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The innermost torch optimizer under accelerate's / DeepSpeed's wrappers (``.optimizer`` chains).
+
+    accelerate's ``AcceleratedOptimizer`` mirrors ``param_groups`` but has no hook registries of its
+    own; hooks, ``after_step`` and the tables keyed by optimizer need the optimizer that really steps.
+    """
+    while True:
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
+            return optimizer
+        optimizer = inner
 
 
 def gathers_parameters(optimizer: Any) -> bool:

@@ -46,8 +46,9 @@ from ..api import LR_SCALED, after_step, galore_layers, galore_stats, refreshes_
 from ..checkpoint.manifest import MANIFEST_NAME, read_manifest
 from ..checkpoint.state import GALORE_STATE_NAME
 from ..config import GaLoreConfig
+from ..engines.contract import unwrap_optimizer
 from ..state import prepared_state, state_of
-from .common import checkpoint_folder, unwrap_optimizer
+from .common import checkpoint_folder
 from .patching import trainer_is_patched
 from .saving import save_galore_state, saved_step
 
