@@ -22,11 +22,29 @@ import pathlib
 import re
 from typing import Any, Optional, Sequence
 
-__all__ = ["estimate", "PlanError", "MODEL_NAMES", "METHODS", "GPU_SIZES_GB"]
+from .layouts import LAYOUT_METHODS
+
+__all__ = ["estimate", "PlanError", "MODEL_NAMES", "METHODS", "GPU_SIZES_GB", "known_methods", "registered_methods"]
 
 _MODELS_FILE = pathlib.Path(__file__).with_name("models.json")
-METHODS = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora", "galore_adamw", "galore_adamw_8bit",
-           "qgalore_adamw_8bit", "adamw_torchao_8bit", "adamw_torchao_4bit", "flash_adamw", "apollo_adamw")  # fmt: skip
+# The methods plan.trace sets up itself besides the registered ones (and those counted by layout).
+_BASELINES = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora")
+
+
+def registered_methods() -> tuple[str, ...]:
+    """The optimizer names of entry-point group ``hf_galore_plugin.optimizers`` (this package's presets and
+    any another installed package declares), each planned through the GaLoreConfig its entry point returns."""
+    from ..registry import list_optimizer_entry_points
+
+    return tuple(sorted(list_optimizer_entry_points()))
+
+
+def known_methods() -> tuple[str, ...]:
+    """Every method the planner plans, read now (a package installed later in the process is seen)."""
+    return tuple(dict.fromkeys((*_BASELINES, *registered_methods(), *LAYOUT_METHODS)))
+
+
+METHODS = known_methods()
 ENGINES = ("ddp", "fsdp2", "zero2", "zero3")
 GPU_SIZES_GB = (24, 40, 48, 80, 141)
 
@@ -168,10 +186,11 @@ def estimate(
     `engine`: how `world_size` > 1 processes share the model (None: ddp); refused with one process."""
     from .trace import DTYPES, Settings, scaled_trace, trace_method
 
-    methods = list(methods or METHODS)
+    known = known_methods()
+    methods = list(methods or known)
     for name in methods:
-        if name not in METHODS:
-            raise PlanError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+        if name not in known:
+            raise PlanError(f"unknown method {name!r}; choose from {', '.join(known)}")
     for name, value in (("seq-len", seq_len), ("batch-size", batch_size), ("rank", rank), ("lora-rank", lora_rank),
                         ("world-size", world_size)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -280,13 +299,13 @@ def _meta_model(cfg, source: str):
 def _check_targets(meta, method: str, settings, given: str) -> None:
     """Refuse, before any trace, a GaLore method whose settings select nothing or a layer they cannot project
     on the model `meta` (the selection prepare_model makes, on the meta device); `given` names the arguments."""
-    from ..config import PRESETS, GaLoreConfig
     from ..inject import select_expert_targets, select_targets
+    from ..registry import load_optimizer_preset
 
-    if method not in PRESETS:
+    if method not in registered_methods():
         return
     try:
-        config = GaLoreConfig.preset(method, rank=settings.rank, **settings.optim_args)
+        config = load_optimizer_preset(method).replace(rank=settings.rank, **settings.optim_args)
         _, report = select_targets(meta, config)
         select_expert_targets(meta, config, report)
     except ValueError as exc:
