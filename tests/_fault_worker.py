@@ -13,6 +13,7 @@ a kill during the write leaves on disk. A checkpoint is complete once its manife
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -174,12 +175,14 @@ def install_kill(what: str, step: int) -> None:
     elif what == "galore_manifest.json":
         original_write = manifest.write_atomically
 
-        def write_atomically(path, data):
+        def write_atomically(path, write):
             if hit(path):
+                whole = io.BytesIO()
+                write(whole)
                 with open(f"{path}.tmp-{os.getpid()}", "wb") as handle:
-                    handle.write(data[: len(data) // 2])
+                    handle.write(whole.getvalue()[: len(whole.getvalue()) // 2])
                 _die()
-            return original_write(path, data)
+            return original_write(path, write)
 
         manifest.write_atomically = write_atomically
     elif what == "rmtree":

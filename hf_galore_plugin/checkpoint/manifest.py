@@ -31,8 +31,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from .files import GaLoreCheckpointError
-from .files import write_atomically as atomic_write
+from .files import GaLoreCheckpointError, write_atomically
 
 __all__ = [
     "MANIFEST_NAME",
@@ -228,14 +227,10 @@ def write_manifest(folder: str, *, global_step: Optional[int]) -> dict[str, floa
     }
     manifest = {**body, "checksum": _manifest_checksum(body)}
     path = os.path.join(folder, MANIFEST_NAME)
-    write_atomically(path, json.dumps(manifest, indent=1).encode())
+    data = json.dumps(manifest, indent=1).encode()
+    write_atomically(path, lambda handle: handle.write(data))
     total = sum(size for size, _ in layouts.values())
     return {"bytes": float(total), "seconds": time.perf_counter() - started}
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """`data` to `path` through ``<path>.tmp-<pid>`` (:func:`hf_galore_plugin.checkpoint.files.write_atomically`)."""
-    atomic_write(path, lambda handle: handle.write(data))
 
 
 # ---------------------------------------------------------------------- read and verify

@@ -1,38 +1,22 @@
-"""Names the callback and the patches share (a leaf: it imports no other module of ``integrations``).
-
-- finding the optimizer that steps under wrappers (the prepared model: :func:`hf_galore_plugin.state_of`);
-- the checkpoint-folder rule: the Trainer writes step N of a run into ``<run dir>/checkpoint-N``
-  (``PREFIX_CHECKPOINT_DIR``), and a GaLore checkpoint is complete once its manifest exists.
+"""The checkpoint-folder rule the callback and the patches share (a leaf: it imports no other module of
+``integrations``): the Trainer writes step N of a run into ``<run dir>/checkpoint-N``
+(``PREFIX_CHECKPOINT_DIR``), and a GaLore checkpoint is complete once its manifest exists.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from ..checkpoint.manifest import MANIFEST_NAME
 
 __all__ = [
-    "unwrap_optimizer",
     "checkpoint_folder",
     "checkpoint_steps",
     "step_of",
     "checkpoint_is_complete",
     "latest_complete_checkpoint",
 ]
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The innermost torch optimizer under accelerate's / DeepSpeed's wrappers (``.optimizer`` chains).
-
-    accelerate's ``AcceleratedOptimizer`` mirrors ``param_groups`` but has no hook registries of its
-    own; hooks and ``after_step`` need the optimizer that really steps.
-    """
-    while True:
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
-            return optimizer
-        optimizer = inner
 
 
 def checkpoint_folder(run_dir: str, step: int) -> str:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 
 from ..checkpoint.state import apply_mutable_changes, read_checkpoint_state
 from ..registry import LAYERWISE_ALIASES
+from ..engines.contract import unwrap_optimizer
 from ..state import state_of
-from .common import unwrap_optimizer
 from .distributed import load_gathered_galore_state_dict
 from .names import trainer_optimizer_name
 from .patching import mark
