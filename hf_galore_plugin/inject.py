@@ -8,7 +8,7 @@ input embedding is left out, as transformers leaves it: its weight is named as t
 a target pattern (or "all-linear") matched but that is not projected is named, with the reason, in the
 summary line.
 With ``GaLoreConfig.experts`` also the fused expert weights of mixture-of-experts models (3-D
-parameters of transformers' ``*Experts`` modules, :data:`EXPERT_FAMILIES` and :func:`expert_layout_problem`),
+parameters of transformers' ``*Experts`` modules whose layout :func:`expert_layout_problem` accepts),
 replaced by :class:`~hf_galore_plugin.layers.experts.GaLoreExperts`; routers stay dense.
 """
 
@@ -28,6 +28,7 @@ from .layers import GaLoreLinear
 from .layers.experts import EXPERT_PROJECTIONS, GaLoreExperts
 from .layers.linear import resolve_sides
 from .layers.schedule import StepClock, assign_refresh_phases
+from .loss import output_head
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,6 @@ __all__ = [
     "iter_galore_layers",
     "swap_submodule",
     "plain_linear",
-    "EXPERT_FAMILIES",
     "expert_parameters",
     "expert_layout_problem",
     "select_expert_targets",
@@ -136,18 +136,8 @@ class TargetReport:
 
 
 def _output_head_names(model: nn.Module) -> set[str]:
-    names = set()
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = None
-    if callable(get_head):
-        try:
-            head = get_head()
-        except (NotImplementedError, AttributeError):
-            head = None
-    for name, module in model.named_modules():
-        if module is head or _HEAD_NAME.search(name):
-            names.add(name)
-    return names
+    head = output_head(model)
+    return {name for name, module in model.named_modules() if module is head or _HEAD_NAME.search(name)}
 
 
 def _is_head(name: str, heads: set[str]) -> bool:
@@ -364,16 +354,10 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
     return selected, report
 
 
-# transformers MoE families whose *Experts module has the layout GaLoreExperts computes (gated, gate and up
-# concatenated in gate_up_proj (E x 2I x H), down_proj (E x H x I), no bias, not transposed), checked
-# against transformers 5.24. Other modules are recognised by the rule of expert_parameters and
-# expert_layout_problem: the same layout, read from the flags transformers' use_experts_implementation
-# sets on every experts class.
-EXPERT_FAMILIES: dict[str, str] = {
-    "Qwen3MoeExperts": "Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B)",
-    "MixtralExperts": "Mixtral (8x7B, 8x22B)",
-    "OlmoeExperts": "OLMoE (1B-7B)",
-}
+# An experts module is recognised by its layout, not by its class: the layout GaLoreExperts computes (gated,
+# gate and up concatenated in gate_up_proj (E x 2I x H), down_proj (E x H x I), no bias, not transposed) is
+# read from the flags transformers' use_experts_implementation sets on every experts class
+# (expert_layout_problem). Qwen3-MoE, Mixtral and OLMoE have it in transformers 5.24.
 _NUM_EXPERTS_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
