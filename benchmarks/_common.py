@@ -183,10 +183,7 @@ def setup_method(
 
         optimizer = AdamW8bit(param_groups(model, setup, lr), **common)
     elif method == "adamw_galore_rates":
-        # examples/demo.py trains the same baseline; quality.py puts examples/ on sys.path
-        from demo import galore_rate_groups
-
-        projected = target_names(model, setup.targets_regex)
+        projected = set(target_names(model, setup.targets_regex))
         optimizer = torch.optim.AdamW(galore_rate_groups(model, projected, lr=lr, scale=setup.galore_scale), **common)
     elif method == "bnb_adamw8bit":
         import bitsandbytes as bnb
@@ -218,6 +215,24 @@ def setup_method(
     else:
         raise ValueError(f"unknown method {method!r}")
     return model, optimizer, after_step
+
+
+def galore_rate_groups(model: nn.Module, projected_layers: set[str], *, lr: float, scale: Any) -> list[dict[str, Any]]:
+    """Plain AdamW's parameter groups at the rates a GaLore run at a fixed float `scale` gives each parameter:
+    the weights of `projected_layers` (module names) at lr * scale (a GaLore weight moves by lr * scale per
+    unit of normalised update), everything else (embeddings, norms, head) at lr. It separates GaLore's effect
+    from its per-group rates (the adamw_galore_rates baseline)."""
+    if not isinstance(scale, float):
+        raise ValueError(f"adamw_galore_rates needs a float GaLore scale, got {scale!r}")
+    names = {f"{layer}.weight" for layer in projected_layers}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = sorted(names - {n for n, _ in named})
+    if missing:
+        raise ValueError(f"projected_layers names no trainable weight {missing[:4]}; pass nn.Linear module names")
+    return [
+        {"params": [p for n, p in named if n not in names], "lr": lr, "weight_decay": 0.0},
+        {"params": [p for n, p in named if n in names], "lr": lr * scale, "weight_decay": 0.0},
+    ]
 
 
 def method_note(method: str, setup: MethodSetup) -> str:
