@@ -15,7 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_galore_plugin as hgp
 from hf_galore_plugin import GaLoreConfig
+from hf_galore_plugin.layers import assign_refresh_phases
 from hf_galore_plugin.layers.linear import COUNTER_NAMES
+from hf_galore_plugin.layers.schedule import StepTokens
 
 from conftest import build_tiny_llama, torch_round_trip
 
@@ -47,6 +49,8 @@ def _reads_per_part(decoder_layers: int, preset: str, steps: int) -> tuple[int, 
     hgp.prepare_model(model, _config(preset, update_proj_gap=100))
     optimizer = hgp.create_optimizer(model, lr=1e-3)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    # the phases the first training forward packs (32 fp32 tokens), known before it
+    assign_refresh_phases([layer for _, layer in hgp.galore_layers(model)], StepTokens(tokens=32, itemsize=4))
     phases = 1 + max(layer.counter("galore_phase") for _, layer in hgp.galore_layers(model))
     parts = []
     for _ in range(phases + steps):
@@ -185,16 +189,15 @@ def _train_from(model, optimizer, *, start: int, stop: int, seed: int) -> list[l
 
 
 def test_sync_counters_takes_a_direct_buffer_write():
-    # aligned: a refresh is due as soon as the gap has passed (staggered would also wait for the phase step)
     config = _config("galore_adamw", update_proj_gap=4, refresh_schedule="aligned")
     model, optimizer = _trained_layer(config, 3, seed=0)  # step 3: refreshed at 0, next at 4
     layer = model[0]
     assert not layer.refresh_due
     with torch.no_grad():
-        layer.galore_gap.fill_(3)
-    assert not layer.refresh_due  # the host copy still says gap 4
+        layer.galore_step.fill_(4)
+    assert not layer.refresh_due  # the host copy still says step 3
     layer.sync_counters()
-    assert layer.counter("galore_gap") == 3 and layer.refresh_due
+    assert layer.counter("galore_step") == 4 and layer.refresh_due
 
 
 def test_a_refresh_adopts_and_reports_an_unsynced_buffer_write():
