@@ -228,9 +228,9 @@ def test_loaded_phases_stand_whatever_the_first_batch_of_the_resumed_run():
 
 # A tiny Llama without activation checkpointing, 2 x 16 tokens a step, rank 8, update_proj_gap 4, sketches (the
 # defaults): 14 layers whose sketches (8 KiB each) all fit the default budget (the largest layer's fp32
-# gradient, 4 x 128 x 344 bytes), but whose kept inputs do not. What the packing does not bound, the refresh's
-# own temporaries (a fold holds two m x n fp32 tensors of one layer at a time, in after_step), stays below
-# the ordinary step's peak here, which is the loss's backward.
+# gradient, 4 x 128 x 344 bytes), but whose kept inputs do not. The refresh's own temporaries, which no packing
+# bounds (a fold holds two m x n fp32 tensors of one layer at a time, in after_step), make most refresh steps'
+# peaks here; they fit because after_step starts below the ordinary step's peak (the loss's backward).
 KEPT_LLAMA = dict(
     hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
     vocab_size=512, max_position_embeddings=64, tie_word_embeddings=False,
