@@ -45,8 +45,8 @@ _EXPERT_RANK = 16
 # GaLoreConfig.scale's default: each layer's norm-matched scale (GaLoreConfig.layer_scale).
 AUTO_SCALE = "auto"
 # The GaLore paper's refresh: every layer records its dense gradient on the same steps and takes the
-# exact SVD. The defaults until the bounded refresh became the default (CHANGELOG, "Changed"); pass it
-# to reproduce the paper or runs made before (GaLoreConfig.preset(name, **PAPER_REFRESH)).
+# exact SVD. The defaults bound a refresh step's memory instead (staggered phases, sketched bases); pass
+# it to reproduce the paper or a run made with these settings (GaLoreConfig.preset(name, **PAPER_REFRESH)).
 PAPER_REFRESH: dict[str, Any] = {"refresh_schedule": "aligned", "basis_method": "svd"}
 
 

@@ -62,7 +62,7 @@ GALORE_STATE_NAME = "galore_state.pt"
 # The step and the config bind the file to its checkpoint; the merged weights of the checkpoint's own
 # model file are compared with the ones this state gives when the Trainer loads both; the checksums
 # bind every tensor to the bytes written (torch's zip reader does not check its own CRCs). A file
-# without "checksums" (written before they were added, same format otherwise) is read without them.
+# without "checksums" is read without them: they are optional in this format.
 GALORE_STATE_FORMAT = "hf_galore_plugin.galore_state.v2"
 
 # Fields the saved tensors depend on: the factor's shape (rank, proj_type), the meaning of the factor

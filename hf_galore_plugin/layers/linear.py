@@ -1024,8 +1024,8 @@ class GaLoreLinear(nn.Module):
             self._residual_ready = not math.isnan(float(rate))  # a load syncs anyway
 
     def _load_folded_scale(self, state_dict, prefix: str, missing_keys: list[str]) -> None:
-        # A basis came with the load: it carries the multiplier the state dict recorded, or, where it recorded
-        # none (the earlier format, which holds the plain basis), none at all (1).
+        # A basis came with the load: it carries the multiplier the state dict recorded, or, where the state
+        # dict records none (a plain basis, without galore_folded_scale), none at all (1).
         store = self._bases[self._folded_side]  # type: ignore[index]
         assert store is not None
         if not any(prefix + name in state_dict for name in store.buffer_names()):

@@ -112,8 +112,8 @@ def build_fake_model(config, dtype: torch.dtype, *, gradient_checkpointing: bool
     model.train()
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
-        # transformers 5.x names it activation checkpointing and deprecates `gradient_checkpointing_enable`;
-        # the 4.x line has only the old name.
+        # transformers 5.x names it activation checkpointing and deprecates `gradient_checkpointing_enable`,
+        # the only name 4.x has.
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
@@ -133,14 +133,13 @@ _DECODER_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The decoder's linear layers (attention and MLP): the targets of LoRA/QLoRA and galore-torch."""
-    heads = set()
-    get_head = getattr(model, "get_output_embeddings", None)
-    if callable(get_head) and get_head() is not None:
-        heads.add(id(get_head()))
+    from ..loss import output_head
+
+    head = output_head(model)
     return [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and id(m) not in heads and ".layers." in f".{name}"
+        if isinstance(m, nn.Linear) and m is not head and ".layers." in f".{name}"
     ]
 
 
@@ -228,9 +227,7 @@ class Settings:
     liger: bool = False  # the loss of TrainingArguments(use_liger_kernel=True): Liger's fused linear cross-entropy
 
 
-OUR_METHODS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
 NO_REFRESH = ("adamw_torch", "adamw_8bit", "lora", "qlora", *LAYOUT_METHODS)
-BASELINES = ("adamw_torch", "adamw_8bit", "galore_torch", "lora", "qlora", *LAYOUT_METHODS)
 LR = 1e-4
 
 
@@ -279,14 +276,15 @@ def _setup(method: str, model: nn.Module, settings: Settings):
             + "); embeddings and head frozen"
         )
         return optimizer, (lambda: None), False, notes
-    # our presets (and any GaLoreConfig override)
-    from ..config import GaLoreConfig
+    # a registered optimizer name (registry: this package's presets or another package's), with the overrides
     from ..api import after_step, create_optimizer, prepare_model
     from ..layers.schedule import StepTokens
+    from ..registry import load_optimizer_preset
 
     overrides = {"rank": settings.rank, **settings.optim_args, "update_proj_gap": 2}
     overrides.pop("max_proj_gap", None)
-    config = GaLoreConfig.preset(method, **overrides)
+    preset = load_optimizer_preset(method)
+    config = preset.replace(**overrides)
     with warnings.catch_warnings():
         # The trace's gap of 2 packs the staggered phases for the trace only (it warns whenever more than
         # two phases are needed); the run's packing, under the user's gap, is _staggered_trace_phases'.
@@ -296,7 +294,7 @@ def _setup(method: str, model: nn.Module, settings: Settings):
     notes.append("traced: hf_galore_plugin layers and AdamW")
     if config.refresh_schedule != "staggered":
         return optimizer, (lambda: after_step(model, optimizer)), True, notes
-    user = GaLoreConfig.preset(method, **{"rank": settings.rank, **settings.optim_args})
+    user = preset.replace(**{"rank": settings.rank, **settings.optim_args})
     inputs = StepTokens(settings.batch_size * settings.seq_len, settings.dtype.itemsize)
     member_layer, member, extra, extra_inputs = _staggered_trace_phases(model, user, settings.full_layers, inputs)
     notes.append(
