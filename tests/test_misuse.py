@@ -89,13 +89,19 @@ def test_plain_loop_with_after_step_does_not_warn_and_trains():
     optimizer = hgp.create_optimizer(model, lr=1e-2)
     before = effective(model)
     batch = torch.randint(0, 128, (2, 8))
+    layers = [layer for _, layer in hgp.galore_layers(model)]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        for _ in range(3):
+        # Under the staggered default a layer calibrates on the step of its phase (packed at the first
+        # forward): train until every layer has its basis, then two steps more, so that each one has moved.
+        steps = 0
+        while steps < 2 + max(int(layer.galore_phase) for layer in layers) + 1:
             model(input_ids=batch, labels=batch).loss.backward()
             optimizer.step()
             hgp.after_step(model, optimizer)
             optimizer.zero_grad()
+            steps += 1
+    assert all(layer.calibrated for layer in layers) and steps < 20
     after = effective(model)
     assert all(not torch.equal(before[name], after[name]) for name in before)
 
