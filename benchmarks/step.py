@@ -61,8 +61,12 @@ class Runner:
             self.optimizer = hgp.create_optimizer(self.model, lr=1e-3)
         self.ordinary: list[float] = []
         self.refresh: list[float] = []
-        phases = [int(layer.galore_phase) for _, layer in hgp.galore_layers(self.model)] if method in OURS else []
-        self.phases = max(phases, default=0) + 1  # refresh steps per gap (staggered phases)
+
+    @property
+    def phases(self) -> int:
+        """Refresh steps per gap (staggered phases): read after the first training step, which packs them."""
+        phases = [int(layer.galore_phase) for _, layer in hgp.galore_layers(self.model)] if self.method in OURS else []
+        return max(phases, default=0) + 1
 
     def step(self, tokens: torch.Tensor) -> tuple[float, bool]:
         before = refreshes(self.model)
@@ -167,6 +171,11 @@ def result(args: argparse.Namespace, rows: dict[str, Any], profiles: dict[str, s
 def summary(ordinary: list[float], refresh: list[float], reference: float, gap: int, phases: int = 1) -> dict[str, Any]:
     """One row: the median and spread of the ordinary steps, the refresh steps apart, ratios to `reference`.
     `phases` refresh steps fall in every gap (staggered schedule), each costing the median refresh step."""
+    if not ordinary:
+        raise SystemExit(
+            f"every timed step refreshed a basis ({phases} staggered phases): raise --measure-gap above the "
+            "phases and --steps so that ordinary steps are timed too"
+        )
     middle, refresh_middle = median(ordinary), median(refresh)
     amortized = middle + (phases * (refresh_middle - middle) / gap if refresh_middle is not None else 0.0)
     return {
