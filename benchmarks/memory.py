@@ -90,19 +90,27 @@ def build_optimizer(method: str, model: nn.Module, rank: int):
 
 
 def measured_run(method: str, size: str, rank: int, steps: int = 3) -> dict[str, Any]:
-    """Build the fp32 model on the CPU, train `steps` steps on 1 x 64 tokens, count the bytes."""
+    """Build the fp32 model on the CPU, train `steps` steps on 1 x 64 tokens (more until every GaLore layer has
+    optimizer state), count the bytes."""
     model = build_llama(size, seed=0, init_device="cpu", dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
     model, optimizer = build_optimizer(method, model, rank)
     tokens = torch.randint(0, SHAPES[size]["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(0))
     started = time.perf_counter()
-    for step in range(steps):
+    step = 0
+    while step < steps:
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
         if method in OURS:
             hgp.after_step(model, optimizer)
+            if step == 0:
+                # The staggered phases are packed at the first training step; a layer holds optimizer state
+                # from the step after its calibration (its phase), so count once every layer has stepped.
+                last_phase = max(int(layer.galore_phase) for _, layer in hgp.galore_layers(model))
+                steps = max(steps, last_phase + 2)
         if step + 1 < steps:
             optimizer.zero_grad(set_to_none=True)
+        step += 1
     parts = training_state_bytes(model, optimizer, error_feedback_apart=True)
     del model, optimizer
     gc.collect()
