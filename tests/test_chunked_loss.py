@@ -467,7 +467,10 @@ def test_trainer_steps_on_batches_with_nothing_to_predict_as_with_the_models_own
     # Six steps of one row each, two rows with every label -100 (a prompt longer than max_length in SFT): the
     # Trainer passes num_items_in_batch=0 for those steps. Oracle: the same run with the model's own loss, whose
     # zero gradients leave the weights finite (the chunked loss's NaN gradients made every weight NaN). Equal
-    # weights within fp32 rounding carried through six Adam steps (measured: 1.2e-7).
+    # weights within fp32 rounding carried through six Adam steps: Adam's normalisation turns last-bit
+    # differences of the gradient (another summation order) into visible ones where the second moment is tiny;
+    # measured 1.2e-7 to 1.9e-5 (by the staggered phases and the layers' scales), a fiftieth of one Adam step
+    # at lr 1e-3; the bound is a tenth of one step, far below a NaN or a missed update.
     from transformers import Trainer
 
     data = token_data(6)
@@ -486,7 +489,7 @@ def test_trainer_steps_on_batches_with_nothing_to_predict_as_with_the_models_own
     want = dict(plain.model.named_parameters())
     for name, weight in chunked.model.named_parameters():
         assert torch.isfinite(weight).all(), name
-        assert (weight - want[name]).abs().max() <= 1e-5, name
+        assert (weight - want[name]).abs().max() <= 1e-4, name
     want_losses, got_losses = logged_losses(plain), logged_losses(chunked)
     assert want_losses.keys() == got_losses.keys() == set(range(1, 7))
     for step in want_losses:
