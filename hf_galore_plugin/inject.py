@@ -276,10 +276,13 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
             reason = f"smaller side <= rank {config.rank}"
         elif config.rank >= _projection_limit(config.proj_type, module.out_features, module.in_features):
             # 'all-linear' leaves out (and names in the summary) a layer the basis would not project; a list or
-            # regex asked for it by name, which is refused below.
-            reason = f"{_PROJECTED_SIDE[config.proj_type]} <= rank {config.rank}"
+            # regex asked for it by name: it is trained with the identity basis, exactly AdamW on the weight
+            # (transformers' GaLore accepts such targets, e.g. its default rank 128 on a small test model),
+            # and a warning below names it.
             if explicit:
                 too_small.append((name, module))
+            else:
+                reason = f"{_PROJECTED_SIDE[config.proj_type]} <= rank {config.rank}"
         if reason is not None:
             report.skipped[name] = reason
             report.skipped_params += numel
@@ -305,12 +308,13 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
         )
         rows, cols = module.out_features, module.in_features
         more = f" (and {len(too_small) - 1} more layers it selects)" if len(too_small) > 1 else ""
-        raise ValueError(
+        logger.warning(
             f"rank={config.rank} is at least {_covered(config.proj_type, config.rank, rows, cols)} of {name!r} "
             f"(weight {rows} x {cols}, proj_type={config.proj_type!r}), which target_modules="
-            f"{config.target_modules!r} selects{more}: GaLore would not project it, its factor would be the whole "
-            f"weight. Use rank < {_projection_limit(config.proj_type, rows, cols)}, or leave the layer out of "
-            "target_modules (or name it in exclude_modules) to train it with plain optimizer state."
+            f"{config.target_modules!r} selects{more}: GaLore does not project it, its factor is the whole "
+            f"weight (exactly AdamW, no memory saved). Use rank < {_projection_limit(config.proj_type, rows, cols)}, "
+            "or leave the layer out of target_modules (or name it in exclude_modules) to train it with plain "
+            "optimizer state."
         )
     if not selected:
         linear = linear_names
