@@ -64,7 +64,8 @@ def test_trainer_replaces_layers_and_builds_optimizer_from_training_args(tmp_pat
     decay = set(trainer.get_decay_parameter_names(model))
     for group in optimizer.param_groups:
         assert group["betas"] == (0.8, 0.95) and group["lr"] == trainer.lr_scheduler.get_last_lr()[0]
-        assert group["eps"] == pytest.approx(1e-7 * (hgp.state_of(model).config.scale if group.get("galore") else 1.0))
+        scale = dict(hgp.galore_layers(model))[group["galore_layers"][0]].scale if group.get("galore") else 1.0
+        assert group["eps"] == pytest.approx(1e-7 * scale)  # eps x the scale of the group's layers
         for p in group["params"]:  # the Trainer's own decay / no-decay split
             assert (group["weight_decay"] == 0.05) == (names[id(p)] in decay)
         assert group.get("galore", False) == all(names[id(p)].endswith("galore_factor") for p in group["params"])

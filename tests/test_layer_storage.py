@@ -56,7 +56,7 @@ def _forward_magnitude(layer, x: torch.Tensor) -> torch.Tensor:
         magnitude = magnitude @ right.abs().mT
     if left is not None:
         magnitude = left.abs() @ magnitude
-    weight = layer.base_weight(torch.float32).abs() * layer.base_multiplier.abs() + layer.config.scale * magnitude
+    weight = layer.base_weight(torch.float32).abs() * layer.base_multiplier.abs() + layer.scale * magnitude
     return x.float().abs() @ weight.mT + layer.bias.detach().float().abs()
 
 
@@ -93,7 +93,7 @@ def _with_folded_scale(state: dict[str, torch.Tensor], layer) -> dict[str, torch
     """`state`, written before the layer folded its scale into a stored basis, as the layer saves it now: the
     folded side's basis times the scale (a plain basis' values; a quantized one's block scales, its codes
     unchanged), and ``galore_folded_scale`` recording it. Exact for the fixture's power-of-two scale."""
-    scale = layer.config.scale
+    scale = layer.scale
     assert math.log2(scale).is_integer()
     prefix = f"galore_basis_{layer._folded_side}"
     converted = dict(state)
