@@ -15,9 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_galore_plugin as hgp
 from hf_galore_plugin import GaLoreConfig
-from hf_galore_plugin.layers import assign_refresh_phases
 from hf_galore_plugin.layers.linear import COUNTER_NAMES
-from hf_galore_plugin.layers.schedule import StepTokens
 
 from conftest import build_tiny_llama, torch_round_trip
 
@@ -49,8 +47,6 @@ def _reads_per_part(decoder_layers: int, preset: str, steps: int) -> tuple[int, 
     hgp.prepare_model(model, _config(preset, update_proj_gap=100))
     optimizer = hgp.create_optimizer(model, lr=1e-3)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    # the phases the first training forward packs (32 fp32 tokens), known before it
-    assign_refresh_phases([layer for _, layer in hgp.galore_layers(model)], StepTokens(tokens=32, itemsize=4))
     phases = 1 + max(layer.counter("galore_phase") for _, layer in hgp.galore_layers(model))
     parts = []
     for _ in range(phases + steps):

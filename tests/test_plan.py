@@ -242,10 +242,6 @@ SHAPE_ERRORS = [
         ["--optim-args", "exclude_modules entry 'o_porj'", "matched no"], id="exclude-typo",
     ),
     pytest.param(
-        ["--rank", "64", "--optim-args", "target_modules=.*proj"], {},
-        ["--optim-args", "'model.layers.0.self_attn.q_proj'", "64 x 64", "rank < 64"], id="explicit-target-rank",
-    ),
-    pytest.param(
         ["--rank", "16"], {"hidden_size": -64},
         ["config file", "hidden_size=-64", "positive"], id="negative-size",
     ),

@@ -44,15 +44,12 @@ def _stepper(model, optimizer, tokens, after=None):
 def _galore_run(preset, *, vocab=256, weight_decay=0.01, **overrides):
     torch.manual_seed(0)
     model = build_tiny_llama(**LLAMA, vocab_size=vocab)
-    # A refresh step holds a layer's sketch and its input (32 fp32 tokens): 14-28 KiB per layer, 224 KiB in all,
-    # which a budget of 0.1 MiB packs into 3 phases (the default, one layer's gradient, into 6).
-    overrides.setdefault("refresh_budget_mb", 0.1)
     config = hgp.GaLoreConfig.preset(preset, rank=16, update_proj_gap=1000, **overrides)
     hgp.prepare_model(model, config)
     optimizer = hgp.create_optimizer(model, lr=1e-3, weight_decay=weight_decay)
     tokens = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
     step = _stepper(model, optimizer, tokens, lambda: hgp.after_step(model, optimizer))
-    for _ in range(3):  # the calibration steps of the 3 phases
+    for _ in range(3):  # the calibration step and two ordinary ones
         step()
     return model, optimizer, step
 

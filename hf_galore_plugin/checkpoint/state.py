@@ -143,7 +143,6 @@ def check_galore_counters(
     :class:`GaLoreCheckpointError` naming the layer, the counter and the bound it breaks (and `advice`, else
     a resume's)."""
     from ..layers.linear import COUNTER_NAMES
-    from ..layers.schedule import refresh_phases_pending
 
     gap, growth = int(saved["update_proj_gap"]), int(saved["lazy_growth"])
     max_gap = saved["max_proj_gap"] if saved["max_proj_gap"] is not None else 8 * gap
@@ -190,12 +189,7 @@ def check_galore_counters(
         if saved["refresh_schedule"] == "aligned":
             if c["galore_phase"] != 0:
                 bad("galore_phase", "0 under refresh_schedule='aligned'")
-        elif (
-            phases_fixed
-            # Phases still waiting for the first forward's token count are not known here: the range is checked.
-            and not refresh_phases_pending(layer)
-            and c["galore_phase"] != layer.counter("galore_phase")
-        ):
+        elif phases_fixed and c["galore_phase"] != layer.counter("galore_phase"):
             bad("galore_phase", f"these settings give this layer phase {layer.counter('galore_phase')}")
         elif not 0 <= c["galore_phase"] < gap:
             bad("galore_phase", f"a phase within update_proj_gap={gap}")

@@ -97,9 +97,9 @@ class DeepSpeedGaLoreOptimizer:
             for m in model.modules()
             if isinstance(getattr(m, "galore_factor", None), torch.Tensor)
         }
-        if config.state_bits == 8 and config.moment_handling == "reset" and config.refresh_schedule == "staggered":
-            # Checked here rather than at the first staggered refresh, many steps into the run, and from the
-            # setting, not the phases: the packing at the first training forward may still spread the layers.
+        phases = [int(m.galore_phase) for m in self._layers.values()]
+        if config.state_bits == 8 and config.moment_handling == "reset" and any(phase > 0 for phase in phases):
+            # Checked here rather than at the first staggered refresh, many steps into the run.
             raise NotImplementedError(
                 "moment_handling='reset' with refresh_schedule='staggered' under DeepSpeed ZeRO with 8-bit state: a "
                 "refresh would reset one factor's 8-bit moments inside a ZeRO flat partition, which is not supported; "

@@ -608,12 +608,8 @@ class GaLoreLinear(nn.Module):
 
         ``galore_step``'s buffer is written when the layer's state is read out (``state_dict()``, a
         refresh), not at every step: here it is taken only if it holds another value than the layer last
-        wrote to it (a direct write); a load always takes it. A phase written this way stands: the packing
-        at the first training forward (:func:`~.schedule.assign_refresh_phases`) is cancelled."""
-        phase = self._counts["galore_phase"]
+        wrote to it (a direct write); a load always takes it."""
         self._read_counter_buffers(loaded=False)
-        if self._counts["galore_phase"] != phase:
-            _schedule.keep_refresh_phases([self])
 
     @torch.no_grad()
     def _read_counter_buffers(self, *, loaded: bool) -> None:
@@ -888,14 +884,11 @@ class GaLoreLinear(nn.Module):
 
         The hook for whatever assigns phases: :func:`~.schedule.assign_refresh_phases` at preparation and
         on a resume with other settings, and the memory planner, which stages which layers refresh on its
-        traced steps. Host copies and buffers are written together (no device sync). The phase set stands:
-        a packing waiting for the first training forward (:func:`~.schedule.assign_refresh_phases`, which
-        sets its phases through here after cancelling it) is cancelled."""
+        traced steps. Host copies and buffers are written together (no device sync)."""
         if phase < 0:
             raise ValueError(f"refresh phase must be >= 0, got {phase}")
         if gap is not None and gap < 1:
             raise ValueError(f"refresh gap must be >= 1, got {gap}")
-        _schedule.keep_refresh_phases([self])
         self._set_counter("galore_phase", phase)
         self._phase = phase
         if gap is not None:

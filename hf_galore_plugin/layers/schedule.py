@@ -8,17 +8,10 @@ one step holds at most the budget (README "Options", Refresh memory). The grid i
 in force, not from the counters, so a run whose schedule changed (a resume with other settings) keeps to
 the new grid from then on, whatever steps its last refreshes fell on.
 
-What a phase holds is everything its recording layers keep on the refresh step beyond an ordinary step:
-their records (``refresh_record_nbytes()``) and the inputs kept for them (a recording layer keeps its whole
-input x from its forward to its backward, where an ordinary step keeps x Q), whose bytes depend on the
-tokens of a forward. :func:`assign_refresh_phases` learns those from the model's first training forward
-(:class:`StepTokens`) and packs the phases then, before any layer of that step decides to record; a load of
-saved phases keeps them instead.
-
 The rule is two pure functions of a :class:`Counters` snapshot and a layer's fixed :class:`Schedule`
-(testable without a layer); the phase assignment takes the layers (their ``refresh_record_nbytes()``,
-``in_features`` and :meth:`~hf_galore_plugin.layers.GaLoreLinear.set_refresh_phase`). Only the one packing
-at the first training forward runs inside a training step; an ordinary step runs none of this module.
+(testable without a layer); the phase assignment takes the layers (their ``refresh_record_nbytes()`` and
+:meth:`~hf_galore_plugin.layers.GaLoreLinear.set_refresh_phase`). None of it runs inside a training step's
+forward or backward.
 """
 
 from __future__ import annotations
@@ -27,22 +20,16 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
 __all__ = [
     "Counters",
     "Schedule",
     "StepClock",
-    "StepTokens",
     "assign_refresh_phases",
     "grid_phase",
-    "keep_refresh_phases",
     "next_refresh_step",
     "pack_refresh_phases",
     "refresh_due",
-    "refresh_hold_nbytes",
     "refresh_phase_capacity",
-    "refresh_phases_pending",
 ]
 
 
@@ -128,29 +115,9 @@ def next_refresh_step(counters: Counters, schedule: Schedule) -> Optional[int]:
     return first + (grid_phase(counters, schedule) - first) % schedule.period
 
 
-@dataclass(frozen=True)
-class StepTokens:
-    """The size of one forward's input to the layers: what a recording layer keeps until its backward."""
-
-    tokens: int  # rows of a layer's input (batch x sequence of one micro-batch)
-    itemsize: int  # bytes per value of the input as the layer receives it
-
-
-def refresh_hold_nbytes(layer: Any, inputs: Optional[StepTokens]) -> int:
-    """Bytes a refresh step holds for `layer` beyond an ordinary step: its record (the fp32 gradient or
-    sketches, from its backward to the refresh) and, given `inputs`, its input x, which the record needs in
-    the backward and an ordinary step does not keep (it keeps x Q). A layer with nothing to refresh holds
-    nothing. Layers that read the same input (q, k and v) each count it: a bound, never an underestimate."""
-    record = layer.refresh_record_nbytes()
-    if record == 0 or inputs is None:
-        return record
-    return record + inputs.tokens * layer.in_features * inputs.itemsize
-
-
 def refresh_phase_capacity(config, layers: list[Any], costs: list[int]) -> int:
-    """Most bytes one staggered phase may hold (`costs`: :func:`refresh_hold_nbytes` per layer):
-    ``refresh_budget_mb``, by default the largest targeted layer's dense fp32 gradient; never less than
-    the largest single layer's."""
+    """Most bytes of refresh records one staggered phase may hold: ``refresh_budget_mb``, by default the
+    largest targeted layer's dense fp32 gradient; never less than the largest single record."""
     if config.refresh_budget_mb is not None:
         budget = int(config.refresh_budget_mb * 2**20)
     else:
@@ -198,145 +165,40 @@ def pack_refresh_phases(costs: list[int], capacity: int, gap: int) -> tuple[list
     return (balanced if peak(balanced) <= capacity else phase_of), False
 
 
-def assign_refresh_phases(layers: list[Any], inputs: Optional[StepTokens] = None) -> list[int]:
+def assign_refresh_phases(layers: list[Any]) -> list[int]:
     """Give each layer its refresh phase (``galore_phase``) under refresh_schedule='staggered'; returns the
     phases in the layers' order (all 0 under 'aligned'), readable also for layers on the meta device.
 
-    Rule: what each layer holds on its refresh step (:func:`refresh_hold_nbytes`: its record and, with
-    `inputs`, its kept input) is packed into the fewest phases that fit the budget (``refresh_budget_mb``;
-    default the largest layer's dense fp32 gradient; a layer above it gets a phase to itself) by first-fit
-    decreasing, then spread over that many phases by largest-first onto the lightest phase when that still
-    fits, so the steps carry about equal bytes. More phases than update_proj_gap steps cannot exist: the
-    layers are then balanced over update_proj_gap phases and the budget is exceeded (a warning says by how
-    much). Deterministic (ties broken by the layers' order), so every data-parallel rank computes the same
-    phases from the same `inputs`.
-
-    Without `inputs` the phases are packed by the records alone for now, and packed again at the first
-    training forward of any of the layers (a forward pre-hook, removed then), with the tokens and dtype of
-    its input, agreed across data-parallel ranks (their largest): before any layer of that step records. A
-    load of the layers' saved phases (``galore_phase`` in a state dict) keeps the loaded phases instead,
-    so a resumed run refreshes on the steps of the run it continues.
+    Rule: the layers' refresh records (:meth:`GaLoreLinear.refresh_record_nbytes`) are packed into the
+    fewest phases whose records fit the budget (``refresh_budget_mb``; default the largest layer's dense
+    fp32 gradient; a layer above it gets a phase to itself) by first-fit decreasing, then spread over that
+    many phases by largest-first onto the lightest phase when that still fits, so the steps carry about
+    equal bytes. More phases than update_proj_gap steps cannot exist: the layers are then balanced over
+    update_proj_gap phases and the budget is exceeded (a warning says by how much). Deterministic (ties
+    broken by the layers' order), so every data-parallel rank computes the same phases.
     """
     layers = list(layers)
     if not layers:
         return []
-    for layer in layers:
-        _PendingPacking.cancel_of(layer)
     config = layers[0].config
     if config.refresh_schedule != "staggered":
         for layer in layers:
             layer.set_refresh_phase(0)
         return [0] * len(layers)
-    costs = [refresh_hold_nbytes(layer, inputs) for layer in layers]
+    costs = [layer.refresh_record_nbytes() for layer in layers]
     capacity = refresh_phase_capacity(config, layers, costs)
     phase_of, overflow = pack_refresh_phases(costs, capacity, config.update_proj_gap)
     if overflow:
         loads: dict[int, int] = {}
         for i, phase in enumerate(phase_of):
             loads[phase] = loads.get(phase, 0) + costs[i]
-        held = "records" if inputs is None else f"records and inputs of {inputs.tokens} tokens"
         warnings.warn(
-            f"refresh_schedule='staggered': the {held} of {sum(c > 0 for c in costs)} layers do not fit "
+            f"refresh_schedule='staggered': {sum(c > 0 for c in costs)} layers do not fit "
             f"update_proj_gap={config.update_proj_gap} phases of {capacity / 2**20:.1f} MiB; the largest phase "
-            f"holds {max(loads.values()) / 2**20:.1f} MiB. Raise refresh_budget_mb or update_proj_gap, or use "
-            "basis_method='sketch' (smaller records) or fewer tokens per micro-batch (smaller inputs)",
+            f"records {max(loads.values()) / 2**20:.1f} MiB. Raise refresh_budget_mb or update_proj_gap, or use "
+            "basis_method='sketch' (smaller records)",
             stacklevel=2,
         )
     for layer, phase in zip(layers, phase_of):
         layer.set_refresh_phase(phase)
-    if inputs is None:
-        _PendingPacking(layers).install()
     return phase_of
-
-
-def keep_refresh_phases(layers: list[Any]) -> None:
-    """Keep the layers' phases as they are now: no packing at the first training forward (the memory
-    planner, which stages its own phases on the steps it traces)."""
-    for layer in layers:
-        _PendingPacking.cancel_of(layer)
-
-
-def refresh_phases_pending(layer: Any) -> bool:
-    """Whether `layer`'s staggered phase is still the provisional one, to be packed again at its model's first
-    training forward (:func:`assign_refresh_phases` without `inputs`)."""
-    return _PendingPacking.of(layer) is not None
-
-
-class _PendingPacking:
-    """The layers of one :func:`assign_refresh_phases` whose phases wait for the first training forward.
-
-    Each layer carries two hooks of it: a forward pre-hook that packs the phases with that forward's
-    :class:`StepTokens`, and a load-state-dict pre-hook that, when the state dict holds the layer's
-    ``galore_phase``, keeps the loaded phases. Either removes every hook of the group, so an ordinary step
-    runs no hook. The hooks are found through the layers' hook tables (the ids kept here), which a deep
-    copy or a pickle of the model carries with the layers."""
-
-    def __init__(self, layers: list[Any]) -> None:
-        self.layers = layers
-        self.hook_ids: list[tuple[int, int]] = []
-
-    def install(self) -> None:
-        for layer in self.layers:
-            forward = layer.register_forward_pre_hook(_PackOnFirstForward(self))
-            load = layer.register_load_state_dict_pre_hook(_KeepLoadedPhases(self))
-            self.hook_ids.append((forward.id, load.id))
-
-    def cancel(self) -> None:
-        for layer, (forward, load) in zip(self.layers, self.hook_ids):
-            layer._forward_pre_hooks.pop(forward, None)
-            layer._load_state_dict_pre_hooks.pop(load, None)
-        self.hook_ids = []
-
-    @staticmethod
-    def of(layer: Any) -> Optional["_PendingPacking"]:
-        for hook in layer._forward_pre_hooks.values():
-            if isinstance(hook, _PackOnFirstForward):
-                return hook.pending
-        return None
-
-    @staticmethod
-    def cancel_of(layer: Any) -> None:
-        pending = _PendingPacking.of(layer)
-        if pending is not None:
-            pending.cancel()
-
-
-class _PackOnFirstForward:
-    """Forward pre-hook: at the first training forward (gradients on, module in training mode) pack the
-    group's phases with the size of this input. Evaluation and generation forwards leave it waiting: their
-    batches are not the training step's."""
-
-    def __init__(self, pending: _PendingPacking) -> None:
-        self.pending = pending
-
-    @torch.compiler.disable
-    def __call__(self, module: Any, args: tuple) -> None:
-        x = args[0] if args else None
-        if not (torch.is_grad_enabled() and module.training and isinstance(x, torch.Tensor) and x.dim() >= 1):
-            return
-        tokens = _largest_across_ranks(x.numel() // max(x.shape[-1], 1), x.device)
-        layers = self.pending.layers
-        assign_refresh_phases(layers, StepTokens(tokens, x.element_size()))
-
-
-class _KeepLoadedPhases:
-    """Load-state-dict pre-hook: a state dict with the layer's ``galore_phase`` brings phases packed by the
-    run that saved them (with its tokens); they stand, and the packing at the first forward is cancelled."""
-
-    def __init__(self, pending: _PendingPacking) -> None:
-        self.pending = pending
-
-    def __call__(self, module: Any, state_dict: dict, prefix: str, *args: Any) -> None:
-        if prefix + "galore_phase" in state_dict:
-            self.pending.cancel()
-
-
-def _largest_across_ranks(tokens: int, device: torch.device) -> int:
-    """The largest of `tokens` over the data-parallel ranks (each rank's first batch may be padded to
-    another length): every rank must pack the same phases, or their refresh collectives would not pair."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return tokens
-    value = torch.tensor([tokens], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item())
