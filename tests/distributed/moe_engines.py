@@ -65,8 +65,9 @@ def build():
     schedule = {"paper": PAPER_REFRESH, "aligned": {"refresh_schedule": "aligned"}, "default": {}}[
         os.environ["SCHEDULE"]
     ]
+    # scale 0.25: the comparisons' tolerances are counted at its step size (see sharded_galore.py)
     galore = GaLoreConfig.preset(
-        os.environ["PRESET"], rank=2 if SPARSE else 8, expert_rank=4, experts=True, update_proj_gap=3,
+        os.environ["PRESET"], scale=0.25, rank=2 if SPARSE else 8, expert_rank=4, experts=True, update_proj_gap=3,
         moment_handling=os.environ["MOMENT_HANDLING"], proj_type=os.environ.get("PROJ_TYPE", "std"), **schedule,
     )  # fmt: skip
     return prepare_model(model, galore)
