@@ -127,6 +127,10 @@ def single_process_run(preset: str, proj_type: str, fake_step: str = "0", basis_
 
 # Allowed per fold and weight matrix when W0 is INT8 with stochastic rounding (see assert_weights_match).
 CODE_FLIPS_PER_FOLD = 4
+# Beside the flips, any number of elements may differ by up to this fraction of their block's quantization
+# step: the consequence of a flipped code for the later updates (measured: 0.045 of a step, in one input
+# column of the next layer, after one flip in the layer before; the bound is ~2x that).
+DRIFT_STEPS = 0.1
 
 
 # Two ranks against one process at the torch level (fp32 sums in another order: two halves reduced vs one
@@ -153,7 +157,9 @@ def assert_weights_match(
     W0 block: a last-bit difference of a folded value (two ranks reduce in another order than one process)
     moves ``floor(v + u)`` across an integer when ``v + u`` lies within that bit of it, on any machine whose
     reduction order differs. Which elements flip depends on the machine's summation order; how many can is
-    bounded by how rarely ``v + u`` lands that close to an integer."""
+    bounded by how rarely ``v + u`` lands that close to an integer. A flipped code changes what the layers
+    after it see, so their later updates may differ too: by at most ``DRIFT_STEPS`` of a step, any number of
+    elements, while a flip is a difference of more than that and at most one step."""
     close = torch.isclose(got, expected, rtol=rtol, atol=atol)
     if int8_folds == 0 or bool(close.all()):
         torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=key)
@@ -166,11 +172,11 @@ def assert_weights_match(
     off = ~close.reshape(-1)
     steps = diff[off] / step[off]
     limit = CODE_FLIPS_PER_FOLD * int8_folds
-    count, worst = int(off.sum()), float(steps.max())
+    count, worst = int((steps > DRIFT_STEPS).sum()), float(steps.max())
     assert count <= limit and worst <= 1.05, (
-        f"{key}: {count} elements differ beyond rtol={rtol:g}/atol={atol:g} (allowed: {limit}, i.e. {CODE_FLIPS_PER_FOLD} "
-        f"per fold x {int8_folds} folds of the INT8 W0), the largest by {worst:.3f} quantization steps of its "
-        "block (allowed: 1)"
+        f"{key}: {count} elements differ beyond rtol={rtol:g}/atol={atol:g} and {DRIFT_STEPS} quantization steps "
+        f"(allowed: {limit}, i.e. {CODE_FLIPS_PER_FOLD} per fold x {int8_folds} folds of the INT8 W0), the largest "
+        f"by {worst:.3f} quantization steps of its block (allowed: 1)"
     )
 
 
