@@ -38,7 +38,7 @@ from _models import build_llama, scaled_shape
 ENGINE = os.environ["ENGINE"]  # ddp | fsdp1 | fsdp2 | zero1 | zero2 | zero3
 METHOD = os.environ["METHOD"]  # adamw_torch | galore_adamw | galore_adamw_8bit | qgalore_adamw_8bit
 BASIS = os.environ.get("BASIS", "svd")
-# The measured tables (BENCHMARKS.md "Distributed") refresh every layer on the same step, the paper's
+# The measured tables (docs/benchmarks/distributed.md) refresh every layer on the same step, the paper's
 # schedule: the bytes of one refresh step are what they count.
 SCHEDULE = os.environ.get("REFRESH_SCHEDULE", "aligned")
 STEPS, GAP = int(os.environ.get("STEPS", 12)), int(os.environ.get("GAP", 5))

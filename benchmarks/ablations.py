@@ -37,8 +37,8 @@ SEEDS = (0, 1, 2)
 BASE = "qgalore_adamw_8bit"
 
 # name -> (question it answers, GaLoreConfig overrides of the preset). The default row changes nothing; the
-# refresh rows name both refresh settings, so they mean the same whatever the defaults are (BENCHMARKS.md's
-# table was measured when the paper's refresh, now the refresh_paper row, was the default).
+# refresh rows name both refresh settings, so they mean the same whatever the defaults are (the refresh table of
+# docs/benchmarks/refresh.md was measured when the paper's refresh, now the refresh_paper row, was the default).
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "default": (
         "shipped qgalore_adamw_8bit (lr_scale 0.85, lazy refresh, keep moments, staggered refresh with sketches, "

@@ -12,7 +12,7 @@
 #   5. host work per training step on the GPU (benchmarks/step_overhead.py --device cuda: the tiny Llama's
 #      thread CPU time, ops and syncs per step for every method and the two eager-floor rows).
 # Usage: bash benchmarks/gpu.sh [OUT_DIR]       (default outputs/gpu)
-# Writes OUT_DIR/gpu.md (all tables, with date and device, to copy into BENCHMARKS.md) and gpu.log.
+# Writes OUT_DIR/gpu.md (all tables, with date and device, to copy into docs/benchmarks/gpu.md) and gpu.log.
 # Without CUDA it runs nothing and exits with status 2 and a message saying why.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -1,4 +1,4 @@
-"""The planner tables of BENCHMARKS.md ("Peak memory (planner)"): peak of one training step at seq 2048,
+"""The planner tables of docs/benchmarks/memory.md ("Peak memory (planner)"): peak of one training step at seq 2048,
 batch 1, gradient checkpointing, bf16, for Llama-2-7B, Llama-3-8B and Llama-3-70B, every method, GaLore
 rank 256 (and rank 128 for 7B/8B: GaLore methods only, the others do not depend on the rank).
 

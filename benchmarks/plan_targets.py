@@ -1,4 +1,4 @@
-"""Peak memory of whole runs against the memory targets (BENCHMARKS.md, "Whole-run peaks vs targets"):
+"""Peak memory of whole runs against the memory targets (docs/benchmarks/memory.md, "Whole-run peaks vs targets"):
 the planner's normal-step and refresh-step peaks for Llama-2-7B and Llama-3-8B (seq 2048) and
 Llama-3-70B (seq 4096), batch 1, gradient checkpointing, bf16, GaLore rank 256, every baseline, our
 presets with their defaults and with the paper's refresh (aligned schedule, exact SVD: the defaults

@@ -1,4 +1,4 @@
-"""Planner validation (BENCHMARKS.md "Planner validation"): the planned peak of one training step vs the
+"""Planner validation (docs/benchmarks/planner-accuracy.md "Planner validation"): the planned peak of one training step vs the
 real CPU step, for Llama-shaped models of about 5M, 30M, 100M and 350M parameters.
 
     python benchmarks/plan_validate.py --out outputs/plan_validate           # every size (CPU minutes)

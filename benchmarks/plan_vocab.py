@@ -1,4 +1,4 @@
-"""Peak memory at large vocabularies (BENCHMARKS.md, "Large vocabularies: the loss and the head"): the
+"""Peak memory at large vocabularies (docs/benchmarks/memory.md, "Large vocabularies: the loss and the head"): the
 planner's normal-step and refresh-step peaks of `qgalore_adamw_8bit` for Llama-3-8B (128k vocabulary) and
 Qwen2.5-7B (152k) at seq 2048 and 4096, batch 1, gradient checkpointing, bf16, rank 256, NF4 W0, staggered
 refresh, streaming sketches, then each loss/head option: the chunked loss, a GaLore output head, both,

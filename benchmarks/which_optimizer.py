@@ -1,4 +1,4 @@
-"""README / BENCHMARKS.md "Which optimizer for which model and GPU": for each model, the planner's peak of one
+"""README / docs/benchmarks/memory.md "Which optimizer for which model and GPU": for each model, the planner's peak of one
 training step (seq 2048, batch 1, gradient checkpointing, bf16, GaLore rank 256, LoRA rank 64) of every method
 it knows, and which of them fit a 24, 48 and 80 GB GPU (the larger of the normal and the refresh-step peak).
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from hf_galore_plugin.plan import METHODS, estimate  # noqa: E402
 
 MODELS = ("llama-2-7b", "llama-3-8b", "llama-3-70b")
-# The low-memory settings of qgalore_adamw_8bit (README "Coming from LoRA / QLoRA"): label -> optim_args. The
+# The low-memory settings of qgalore_adamw_8bit (docs/guides/lora-qlora.md): label -> optim_args. The
 # default bounded refresh (staggered, sketch) is spelled out so that the rows keep their meaning if it changes.
 RECIPE = "weight_storage=nf4,refresh_schedule=staggered,basis_method=sketch"
 VARIANTS = {

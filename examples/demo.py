@@ -93,7 +93,7 @@ ADAMW_BASELINES = ("adamw_torch",)
 ALL_METHODS = (*ADAMW_BASELINES, *GALORE_METHODS, "lora")
 
 # The one peak learning rate of every method (linear warmup over 10% of the steps, cosine decay after it):
-# adamw_torch's best rate in the quality grid (BENCHMARKS.md "Quality", benchmarks/quality.py size tiny: the
+# adamw_torch's best rate in the quality grid (docs/benchmarks/quality-pretraining.md "Quality (pre-training)", benchmarks/quality.py size tiny: the
 # same text, a Llama of the same family; grid 1e-3 -> 4.818, 3e-3 -> 4.675, 1e-2 -> 5.013 held-out loss at
 # seed 0). A user switching from AdamW keeps it: the GaLore presets scale each projected layer's update to
 # AdamW's norm (scale='auto') and apply their lr_scale (0.85) to the projected groups themselves; LoRA

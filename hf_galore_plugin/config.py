@@ -81,8 +81,9 @@ class GaLoreConfig:
         "Gaussian sketch of the gradient, (rank + oversampling) x the basis side's dimension, and the basis "
         "is the sketch's top singular subspace; the m x n gradient is never formed), 'svd' (exact, "
         "torch.linalg.svd of the fp32 gradient: the GaLore paper's) or 'randomized' (Halko et al. 2011 range "
-        "finder on the fp32 gradient). Default 'sketch': no m x n record and no m x n SVD (BENCHMARKS.md "
-        "'Refresh cost'), held-out loss within seed noise of 'svd' (BENCHMARKS.md 'Ablations of the defaults').",
+        "finder on the fp32 gradient). Default 'sketch': no m x n record and no m x n SVD "
+        "(docs/benchmarks/refresh.md 'Refresh cost'), held-out loss within seed noise of 'svd' "
+        "(docs/benchmarks/quality-pretraining.md 'Ablations of the defaults').",
         default="sketch",
     )
     oversampling: int = _help(
@@ -99,7 +100,7 @@ class GaLoreConfig:
         "a zero gradient until then) and refreshes only at steps == its phase modulo update_proj_gap) or "
         "'aligned' (the GaLore paper's: every layer calibrates at step 0 and refreshes every gap at the same "
         "steps, so a refresh step holds every layer's record at once). Default 'staggered': no step holds "
-        "more than one phase's records (README 'Refresh memory').",
+        "more than one phase's records (docs/guides/options.md 'Refresh memory').",
         default="staggered",
     )
     refresh_budget_mb: Optional[float] = _help(
@@ -201,7 +202,7 @@ class GaLoreConfig:
         "Qwen3-30B-A3B, and there are thousands of them: the attention rank would make their factors alone "
         "billions of values). The default 16 (1/48 of a Qwen3-30B-A3B expert's smaller side) is the smallest "
         "of the quality grid's expert ranks within 1% held-out loss of the experts unprojected "
-        "(BENCHMARKS.md, 'Quality: mixture of experts').",
+        "(docs/benchmarks/moe.md, 'Quality: mixture of experts').",
         default=_EXPERT_RANK,
     )
     lr_scale: float = _help(

@@ -1,7 +1,7 @@
 """A dense re-implementation of GaLore used as the tests' oracle.
 
 It keeps the full weight W and the full gradient G, projects G explicitly and runs Adam on the
-projection, with the step semantics of hf_galore_plugin (documented in layers/linear.py and the README):
+projection, with the step semantics of hf_galore_plugin (documented in layers/linear.py and docs/guides/how-it-works.md):
 step 0 calibrates (weight decay only, first basis from G_0, moments reset), a basis computed from
 G_t is used from step t+1, refreshes every `gap` steps, and moments kept / projected / reset.
 """

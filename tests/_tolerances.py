@@ -4,7 +4,7 @@ float operations, derived from the operations.
 Two x86-64 CPUs run the same fp32 code through different kernels: MKL picks its GEMM and LAPACK code path
 by instruction set (AVX-512, AVX2, SSE4.2), ATen vectorizes elementwise ops and reductions by it, and
 oneDNN and numpy dispatch likewise. Each path sums in its own order, so results agree up to the rounding
-error bounds of the operations, not bit for bit (README.md, below the test commands, selects other CPUs'
+error bounds of the operations, not bit for bit (docs/contributing.md, "The test suite", selects other CPUs'
 paths on one machine). Bit for bit is kept where both sides run on the same machine through the same code
 (a save/load round trip, a resume against an uninterrupted run).
 """
@@ -53,7 +53,7 @@ def assert_close_up_to_rounding(got: torch.Tensor, expected: torch.Tensor, *, at
     A value that lands within `atol` of its rounding threshold (a midpoint for round-to-nearest, its random
     threshold for stochastic rounding) goes to the neighbouring grid point on one machine and not on the
     other, and then differs by up to atol + one step. Worst-case bounds cannot say how many values do (with
-    atol >= step / 2 every one could). The actual differences are far smaller (measured under the README's
+    atol >= step / 2 every one could). The actual differences are far smaller (measured under docs/contributing.md's
     CPU settings: bases within 1.2e-5 against int8 and bf16 steps of 2e-3 and more), which puts about 1% of
     the values that close to a threshold. Allowed: 1/32 of the values (at least 2); another rounding mode,
     random stream or scale moves more (measured: another random stream moved 5-9% of the NF4 W0 codes of

@@ -186,7 +186,7 @@ def test_optimizer_speed_quick_measures_every_state_format(tmp_path):
     seconds = [row["seconds"] for row in result["rows"]]
     assert 0 < min(seconds) and sum(seconds) < wall, (seconds, wall)
     # The timed 8-bit rows ran the C++ step, which the benchmark builds first: a failed build here means
-    # the install cannot build it, which the README's speed figures do not describe.
+    # the install cannot build it, which the speed figures of docs/guides/limits.md do not describe.
     meta = result["meta"]
     assert meta["eight_bit_backend"] == "cpp" and meta["cpp_failure"] is None, meta
     # One parameter of 256K values, then a group of 64 parameters of 4K values.

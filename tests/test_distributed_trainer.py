@@ -32,7 +32,7 @@ WORKER = Path(__file__).parent / "distributed" / "trainer_galore.py"
 SAVE_AT = 10
 # The engine-equivalence runs name the paper's refresh (aligned, exact SVD): every layer refreshes on steps
 # 0, 8 and 16, and under ZeRO, whose parameter groups share one Adam step counter, only the aligned schedule
-# equals one process exactly (README "Refresh memory"). test_qgalore_8bit_state_under_zero2_and_ddp runs the
+# equals one process exactly (docs/guides/options.md "Refresh memory"). test_qgalore_8bit_state_under_zero2_and_ddp runs the
 # shipped defaults (staggered, sketch): the tiny Llama's 14 layers in 2 phases, steps 0-1, 8-9, 16-17.
 # The paper's fixed scale 0.25 as well: the bounds below are counted at its step size, and Adam carries a
 # last-bit difference of a reduced gradient into later steps in proportion to the step (scale='auto' steps
@@ -170,7 +170,7 @@ def test_qgalore_8bit_state_under_zero2_and_ddp(tmp_path, pretrained, single_pro
     of the dense lm_head / embedding moments, so their final weights differ by more than the fp32 runs'
     bound (the losses still agree to 5e-3). The layers of phase 1 calibrate at step 1: under ZeRO their
     moments restart exactly (they are zero until then, 8-bit codes included) but the group's shared step
-    counter does not (a warning says so; README "Refresh memory"), which the bound must also cover.
+    counter does not (a warning says so; docs/guides/options.md "Refresh memory"), which the bound must also cover.
     Resume stays exact for both.
     """
     # At the paper's fixed scale, 0.25, as the cases above (PAPER): the bounds below are counted at its size.

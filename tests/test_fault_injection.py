@@ -5,7 +5,7 @@
    save_total_limit=1), then ``train(resume_from_checkpoint=True)`` from whatever the output_dir holds.
    Every resume must end with final tensors bit-identical to an uninterrupted run, or be refused before
    any step with a message naming the complete checkpoint to use (or saying that none exists). The table
-   in README "Checkpoints and failures" is this test's. The kill points and the worker are in
+   in docs/guides/checkpoints.md "What survives a crash" is this test's. The kill points and the worker are in
    tests/_fault_worker.py (one interpreter, forked runs).
 2. Damage every file of a complete checkpoint (a flipped byte, a truncation, the file of another step),
    its counters, a basis right after its refresh and an expert stack (behind a re-sealed manifest), and

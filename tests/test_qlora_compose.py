@@ -1,4 +1,4 @@
-"""The plugin on a peft QLoRA model (README "Coming from LoRA / QLoRA"): GaLore goes to the unquantized
+"""The plugin on a peft QLoRA model (docs/guides/lora-qlora.md): GaLore goes to the unquantized
 trainable nn.Linear layers only (here the output head in ``modules_to_save``), the LoRA adapters train in the
 same optimizer's plain groups, and ``state_offload=cpu`` holds every state tensor, the adapters' included, in
 host memory. The 4-bit base is bitsandbytes' NF4 ``Linear4bit``, which bitsandbytes runs on CPU.

@@ -1,7 +1,7 @@
 """A `refresh_schedule` changed on resume takes effect at the resumed step, in both directions.
 
 Oracles: a run of the same settings switched by hand at that step (below), bit for bit; the refresh steps
-the README's rule gives, written out per case; the unchanged run, which the switched run must differ from.
+the rule in docs/guides/checkpoints.md "What may change between runs" gives, written out per case; the unchanged run, which the switched run must differ from.
 
 "Switched by hand at step k": the same Trainer run, where at the end of optimizer step k (``global_step ==
 k``, before step k's forward) every GaLore layer is given the new configuration and the phases are assigned

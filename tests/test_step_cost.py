@@ -66,7 +66,7 @@ def test_ordinary_step_makes_no_device_sync_with_a_large_vocabulary(preset):
 
 # Ops per GaLore layer per ordinary step beyond nn.Linear's (issue 26's target: 8). The quantized preset's
 # reads are one Triton kernel each on a GPU; on the CPU the INT4 basis read is three torch ops (byte to
-# index, table lookup, multiply), two more than the kernel (BENCHMARKS.md, Step time).
+# index, table lookup, multiply), two more than the kernel (docs/benchmarks/step-time.md).
 EXTRA_OPS = {"galore_adamw": 8, "galore_adamw_8bit": 8, "qgalore_adamw_8bit": 8 + 2}
 
 

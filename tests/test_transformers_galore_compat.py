@@ -1,7 +1,7 @@
 """transformers' own GaLore tests (tests/trainer, the GaLore section), rewritten here with the plugin imported.
 
 Each test states what transformers' test checks and checks the same with the plugin serving the names; where
-the plugin's behaviour differs on purpose, the test checks the plugin's behaviour and README ("transformers'
+the plugin's behaviour differs on purpose, the test checks the plugin's behaviour and docs/guides/trainer.md ("transformers'
 GaLore tests") gives the reason. Their model (tiny Llama: vocab 100, hidden 32, 3 layers, 4 heads) and data
 (one random 128-token row repeated) are kept; the runs are shorter (``max_steps``), since their tests only
 ask that training runs. Oracles: transformers' own target matcher, transformers' learning-rate schedule, and
@@ -121,7 +121,7 @@ def test_galore_layerwise_with_scheduler(tmp_path):
 def test_galore_adafactor_stays_transformers(tmp_path, targets):
     # The plugin does not serve galore_adafactor: transformers' galore-torch implementation trains, on an
     # unchanged model, with the plugin imported. (Their test also bounds the accelerator's peak memory,
-    # which needs one: README.)
+    # which needs one: docs/guides/trainer.md.)
     galore_torch = pytest.importorskip("galore_torch", reason="platform: galore-torch is not installed")
     trainer = _train(tmp_path, optim="galore_adafactor", optim_target_modules=targets)
     assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), galore_torch.GaLoreAdafactor)
@@ -132,7 +132,7 @@ def test_galore_adafactor_stays_transformers(tmp_path, targets):
 def test_galore_lr_display_without_scheduler(tmp_path):
     # Theirs expects [lr, lr]: galore-torch's two groups (non-target, target). Ours has one group more (the
     # decay / no-decay split of every other optimizer name, with the GaLore factors in a group of their own:
-    # README), so get_learning_rates() holds one equal value per group.
+    # docs/guides/trainer.md), so get_learning_rates() holds one equal value per group.
     model, data = _llama_and_data()
     trainer = Trainer(model, _args(tmp_path, optim="galore_adamw", optim_target_modules=ATTN_MLP), train_dataset=data)
     trainer.create_optimizer_and_scheduler(num_training_steps=10)

@@ -10,7 +10,7 @@ Parts: a ``.safetensors`` file is cut at its header and at each tensor's bytes, 
 (``torch.save``: ``optimizer.pt``, ``galore_state.pt``, ...) at each zip entry, any other file is one part;
 so a damaged part names the tensor (for a zip entry, found by loading the file memory-mapped: the entry's
 offset is its storage's). CRC-32 (``zlib.crc32``) because it is the fastest checksum of the standard
-library (BENCHMARKS.md "Checkpoint manifests": 4.0 GB/s on one core, 2.9x sha256, 5.5x blake2b): it
+library (docs/benchmarks/step-time.md "Checkpoint manifests": 4.0 GB/s on one core, 2.9x sha256, 5.5x blake2b): it
 misses a random change of a part with probability 2^-32 and detects every burst of up to 32 bits; it
 guards against damage and mix-ups, not against someone forging files. Parts are hashed by a thread pool
 (zlib releases the GIL on large buffers).

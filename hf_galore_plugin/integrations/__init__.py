@@ -18,7 +18,7 @@ name when that module has executed); docs/architecture.md lists every target and
 replacement.
 
 ``HF_GALORE_PLUGIN_NO_PATCH=1`` (read at ``import hf_galore_plugin``) installs no hook and patches
-nothing; README's "Without patching transformers" says what then works.
+nothing; docs/guides/trainer.md "Without patching transformers" says what then works.
 """
 
 from __future__ import annotations

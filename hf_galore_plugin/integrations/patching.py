@@ -50,7 +50,7 @@ def internals_missing(what: str) -> RuntimeError:
     return RuntimeError(
         f"hf_galore_plugin cannot patch transformers {_installed_transformers()}: missing {what}. "
         f"Supported: transformers{SUPPORTED_TRANSFORMERS}; install a version in that range, or set "
-        f"{NO_PATCH_ENV}=1 and use the plugin without patching (README, 'Without patching transformers')."
+        f"{NO_PATCH_ENV}=1 and use the plugin without patching (docs/guides/trainer.md, 'Without patching transformers')."
     )
 
 

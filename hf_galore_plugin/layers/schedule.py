@@ -4,7 +4,7 @@ A calibrated layer refreshes only on the steps of its schedule's grid, once its 
 since its last refresh: under ``refresh_schedule='aligned'`` the grid is the multiples of update_proj_gap
 (the same steps for every layer), under ``'staggered'`` the steps == the layer's phase (``galore_phase``)
 modulo update_proj_gap; :func:`assign_refresh_phases` packs the layers' refresh records into phases so that
-one step holds at most the budget (README "Options", Refresh memory). The grid is read from the schedule
+one step holds at most the budget (docs/guides/options.md "Refresh memory"). The grid is read from the schedule
 in force, not from the counters, so a run whose schedule changed (a resume with other settings) keeps to
 the new grid from then on, whatever steps its last refreshes fell on.
 
@@ -83,8 +83,8 @@ def grid_phase(counters: Counters, schedule: Schedule) -> int:
 def refresh_due(counters: Counters, schedule: Schedule) -> bool:
     """Whether the step `counters.step` must record the layer's gradient for a new basis.
 
-    Calibration: aligned at the first step that reaches the layer; staggered (README "Options", Refresh
-    memory) at step == phase or the first step after it that reaches the layer. Then a refresh only at
+    Calibration: aligned at the first step that reaches the layer; staggered (docs/guides/options.md "Refresh
+    memory") at step == phase or the first step after it that reaches the layer. Then a refresh only at
     steps == :func:`grid_phase` (mod period) at least the (lazy) gap after the last refresh. Staggered phases
     come from :func:`assign_refresh_phases`, which packs the layers so that one phase's records fit the
     budget: holding to the phase keeps every step within it (a lazily grown gap, or one clipped to a

@@ -11,7 +11,7 @@ of 8-bit parameters. Three implementations, bit-identical on finite values:
 - the C++ step (`optim.adamw8bit_cpu`, `adamw8bit_cpu.cpp`): fp32 contiguous CPU parameters, the whole
   list in one call; 20-80x faster than the torch step (a small model's tensors to one tensor of 16M
   values), so it is worth a build, which takes minutes and therefore runs ahead of time
-  (`python -m hf_galore_plugin.optim.build_cpu`), never inside a step. BENCHMARKS.md ("The 8-bit step's CPU implementations") has the numbers.
+  (`python -m hf_galore_plugin.optim.build_cpu`), never inside a step. docs/benchmarks/step-time.md ("The 8-bit step's CPU implementations") has the numbers.
 - the Triton kernel (`kernels.adamw8bit`): CUDA tensors, and CPU tensors under Triton's interpreter
   (the kernel tests). `hf_galore_plugin.utils.KERNEL_DISPATCH` holds the exceptions (the torch step on
   CUDA; the Triton kernel on CPU).

@@ -5,7 +5,7 @@ when built, never compiled inside a training step.
 
 On the CPU the torch step (`optim.adamw8bit.adamw8bit_step_torch`) is about 40 torch operations over
 memory and the C++ step one pass: 20-80x faster, from a small model's tensors to one tensor of 16M values
-(BENCHMARKS.md, "The 8-bit step's CPU implementations"). The build needs a C++ compiler and takes minutes, so it is a separate command (or
+(docs/benchmarks/step-time.md, "The 8-bit step's CPU implementations"). The build needs a C++ compiler and takes minutes, so it is a separate command (or
 `build()`), not a side effect of a user's first step: where no build is cached, the op runs the torch
 step, which gives bit-identical results, and one log line names the command.
 

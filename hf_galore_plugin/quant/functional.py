@@ -288,7 +288,7 @@ def dequantize_whole_blocks(
 
 # From this many values on, an int8 block is converted to fp32 and then scaled in place (two vectorized
 # passes) rather than promoted inside one multiply, whose mixed-dtype loop is not vectorized on the CPU:
-# 1.7x faster at 2.8M values, equal below ~16K values (measured, one thread; BENCHMARKS.md "Step time").
+# 1.7x faster at 2.8M values, equal below ~16K values (measured, one thread; docs/benchmarks/step-time.md).
 _TWO_PASS_NUMEL = 1 << 16
 
 
