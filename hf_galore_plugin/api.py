@@ -394,8 +394,13 @@ def after_step(
             if not math.isnan(similarity):
                 similarities.append(similarity)
     clock.step += 1
+    recording = False
     for _, layer in layers:
         layer._update_refresh_due()  # for the new step, here rather than in the (possibly compiled) forward
+        recording = recording or bool(layer._refresh_due_cache)
+    for _, layer in layers:
+        # One value for the whole model: a compiled forward guards on it (two graphs, whatever the phases).
+        layer._compiled_record = recording
     driver.schedule()
     return {
         "refreshed": refreshed,

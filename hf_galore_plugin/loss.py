@@ -483,6 +483,10 @@ class ChunkedLossForward:
         finally:
             if own_forward is not None:
                 head.forward = own_forward
+            elif torch.compiler.is_compiling():
+                # Dynamo replays a set followed by a delete of an instance attribute as a delete of one that is
+                # not there (AttributeError): compiled, the class's forward is put back as a bound method.
+                head.forward = head_forward
             else:
                 del head.forward
         if pending.loss is None:

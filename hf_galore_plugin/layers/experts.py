@@ -162,7 +162,11 @@ class GaLoreExpertStack(GaLoreLinear):
         p, q = self._step_bases(dtype)
         factors = self.galore_factor.unbind(0)
         weight = self.weight
-        record = self.refresh_due
+        # Compiled: W0's multiplier as a tensor and the record through the record ops (as GaLoreLinear.forward).
+        compiling = torch.compiler.is_compiling()
+        alpha: float | torch.Tensor = self.base_multiplier if compiling else self._alpha
+        record = not compiling and self.refresh_due
+        traced = compiling and self._compiled_record
         outputs, start = [], 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -178,9 +182,10 @@ class GaLoreExpertStack(GaLoreLinear):
                     functools.partial(self._expert_weight, expert),
                     None if p is None else p[expert],
                     None if q is None else q[expert],
-                    self._alpha,
+                    alpha,
                     self._branch_scale,
                     functools.partial(self._record_expert, expert) if record else None,
+                    traced_record=(self._recorder_id, expert) if traced else None,
                 )
             )
         if not outputs:
@@ -195,6 +200,10 @@ class GaLoreExpertStack(GaLoreLinear):
         return self.effective_weight(dtype)[expert]
 
     # ------------------------------------------------------------------ refresh records
+    def _record_traced(self, part: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+        if self.refresh_due:
+            self._record_expert(part, dy, x)
+
     def _record_expert(self, expert: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         """Add the gradient (or sketches) of expert `expert`'s rows of this micro-batch to the record."""
         device = dy.device

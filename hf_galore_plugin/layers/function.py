@@ -14,7 +14,7 @@ work, the two fixed costs a GPU waits for:
   GEMM of W0 is skipped and no m x n tensor is formed; dB = (dy P)^T (x Q) comes from the branch's GEMMs,
   and ``x Q`` (N x r) is what autograd saves for it. A hand-written backward would save one op per layer
   (the sum of the two dX terms) but costs more CPU time than it does as a Python autograd function
-  (measured: BENCHMARKS.md "Step time").
+  (measured: docs/benchmarks/step-time.md).
 - W0 stored quantized: :class:`DequantizedBaseLinear`, the whole layer as one autograd node. This path
   needs a Python function anyway (its backward dequantizes W0 again rather than keeping the m x n copy
   from the forward, which would cost what quantizing saved), so its backward is written out: alpha and
@@ -33,12 +33,14 @@ forms, scales 0.25 and 0.3).
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-__all__ = ["DequantizedBaseLinear", "galore_linear"]
+__all__ = ["DequantizedBaseLinear", "galore_linear", "register_recorder"]
 
 # The ``input`` of an addmm with beta=0: BLAS ignores it, broadcasting needs only a 0-d tensor. One per
 # (device, dtype), made once, so a GEMM scaled by alpha allocates no zeros.
@@ -54,6 +56,70 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
         with unset_fake_temporarily():
             zero = _ZEROS[key] = torch.zeros((), device=like.device, dtype=like.dtype)
     return zero
+
+
+# ---------------------------------------------------------------------- the refresh record, compiled
+# Eager code records a refresh step's gradient with a hook on the layer's output, registered only on the layers
+# that are due. Compiled code cannot do either: a hook traced into the graph takes the record (a Python
+# side effect, a random generator for the sketch) with it, and a Python "is this layer due" read in the
+# forward is a guard, so every phase of the staggered schedule (a different set of due layers) would be a
+# graph of its own. So in a compiled forward the record is two opaque ops, the same in every layer and on
+# every record step: ``record_tap`` (forward: a copy of the branch's output h, saving x) and, in its
+# backward, ``record_gradient`` (dL/dh, which is the layer's dy, passed through as a copy) whose eager body
+# asks the layer whether it is due and records (dy, x) if so. The only guarded value is the layer's
+# ``_compiled_record`` flag, which the step driver sets alike on every layer of a model (True on the steps
+# where any of them records): two graphs for the whole run, whatever the number of layers and phases. The
+# copies and the saved x are paid on record steps only (amortized over update_proj_gap). The ops find the
+# layer by a process-wide integer id (an int is a constant in the graph; a module is not an op argument).
+_RECORDERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_RECORDER_IDS = itertools.count()
+
+
+def register_recorder(layer: Any) -> int:
+    """An id under which the compiled record ops find `layer` (held weakly); `layer` implements
+    ``_record_traced(part, dy, x)``."""
+    key = next(_RECORDER_IDS)
+    _RECORDERS[key] = layer
+    return key
+
+
+@torch.library.custom_op("hf_galore::record_tap", mutates_args=())
+def record_tap(h: torch.Tensor, x: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+    """Identity on `h` (a copy: an op's output may not alias its input); its backward records (dy, x)."""
+    return h.clone()
+
+
+@record_tap.register_fake
+def _record_tap_fake(h: torch.Tensor, x: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+    return torch.empty_like(h)
+
+
+@torch.library.custom_op("hf_galore::record_gradient", mutates_args=())
+def record_gradient(dy: torch.Tensor, x: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+    """Hand (dy, x) to layer `layer`'s record if the layer is due (`part`: its expert, -1 for a linear layer);
+    returns dy (a copy, so the op has an output the backward uses and no compiler drops the call)."""
+    target = _RECORDERS.get(layer)
+    if target is not None:
+        target._record_traced(part, dy, x)
+    return dy.clone()
+
+
+@record_gradient.register_fake
+def _record_gradient_fake(dy: torch.Tensor, x: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+    return torch.empty_like(dy)
+
+
+def _record_tap_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    _, x, ctx.layer, ctx.part = inputs
+    ctx.save_for_backward(x)
+
+
+def _record_tap_backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+    (x,) = ctx.saved_tensors
+    return torch.ops.hf_galore.record_gradient(grad, x, ctx.layer, ctx.part), None, None, None
+
+
+record_tap.register_autograd(_record_tap_backward, setup_context=_record_tap_setup)
 
 
 class DequantizedBaseLinear(torch.autograd.Function):
@@ -196,6 +262,7 @@ def galore_linear(
     scale: float,
     record: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
     residual: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
+    traced_record: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
     """One GaLore layer's output for input `x` (..., n).
 
@@ -204,6 +271,7 @@ def galore_linear(
     `alpha` and `scale` are Python floats (`alpha` a 0-d tensor in traced code). `record`, given on a step that records a refresh, is called
     with (dy, x) as 2-D tensors when the output's gradient arrives. `residual` (residual mode) is called with
     the same once the node that reads W0 has run its backward (a post hook of that node), so it may write W0.
+    `traced_record` (compiled code, on a step where the model records): (recorder id, part) for the record ops.
     """
     if weight is None and not isinstance(alpha, torch.Tensor):
         dtype = (p if p is not None else q if q is not None else x).dtype
@@ -225,6 +293,8 @@ def galore_linear(
         last = scaled
     # The bias enters the branch's last GEMM (in the compute dtype under autocast, as in nn.Linear).
     h = h @ last if bias is None else torch.addmm(bias, h, last)
+    if traced_record is not None and h.requires_grad:
+        h = record_tap(h, x2, *traced_record)  # dL/dh is dy: the addmm below adds h as it is
     if isinstance(alpha, torch.Tensor):
         # Traced (torch.compile): the multiplier as a tensor, a graph input rather than a constant to
         # specialise on; the compiler fuses the scaling.

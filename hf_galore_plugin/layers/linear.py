@@ -15,7 +15,7 @@ new basis and restarts B at zero. The effective weight is unchanged by a refresh
 ``weight_storage`` and the bases are :class:`~.storage.StoredTensor` objects; when a layer refreshes
 is decided in :mod:`.schedule`. This module ties them together.
 
-Step semantics (documented in README "How a step works"): the basis computed from the gradient of
+Step semantics (documented in docs/guides/how-it-works.md): the basis computed from the gradient of
 step t is used from step t+1 (one-step subspace lag; GaLore uses it at step t already). Step 0 is a
 calibration step for GaLore layers: their basis is still zero, so the factor receives a zero
 gradient (only weight decay applies), the gradient of step 0 gives the first basis, and the
@@ -53,7 +53,7 @@ from ..engines.contract import observe_updates, update_observer
 from ..projection import resolve_sides
 from . import refresh as _refresh_mod
 from . import schedule as _schedule
-from .function import galore_linear
+from .function import galore_linear, register_recorder
 from .schedule import StepClock
 from .storage import StoredTensor, stochastic_round_to_bf16
 
@@ -305,6 +305,12 @@ class GaLoreLinear(nn.Module):
         # A new layer has no basis yet: it records on its first step (known without reading a buffer,
         # which on the meta device would fail).
         self._refresh_due_cache: Optional[bool] = self.needs_basis
+        # A compiled forward reads this flag, not refresh_due (function.py, "the refresh record, compiled"):
+        # True while any layer of the model may record this step. The step driver (api.after_step) sets it
+        # alike on every layer of a model; a layer that finds itself due sets its own. A layer stepped
+        # without the driver keeps it True (compiled, it pays the record ops' copies on every step).
+        self._compiled_record = True
+        self._recorder_id = register_recorder(self)
         # galore_step advances with a StepClock: the layer's own, or its model's, shared by every layer of the
         # model (api.after_step ticks it once a step, with no per-layer work on an ordinary step). The host
         # copy _counts["galore_step"] holds the value at clock step _clock_mark; the buffer is written when
@@ -778,10 +784,17 @@ class GaLoreLinear(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
-        alpha = self.base_multiplier if torch.compiler.is_compiling() else self._alpha
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         p, q = self._step_bases(dtype)
         residual = self._residual_hook(dtype) if self._residual_side is not None else None
+        if torch.compiler.is_compiling():
+            # W0's multiplier as a tensor (a graph input), and the record through the record ops, decided by
+            # the model-wide flag rather than by this layer's refresh_due (no guard per layer and phase).
+            alpha: float | torch.Tensor = self.base_multiplier
+            record, traced = None, (self._recorder_id, -1) if self._compiled_record else None
+        else:
+            alpha, traced = self._alpha, None
+            record = self._record_gradient if self.refresh_due else None
         return galore_linear(
             x,
             self.galore_factor,
@@ -792,9 +805,15 @@ class GaLoreLinear(nn.Module):
             q,
             alpha,
             self._branch_scale,
-            self._record_gradient if self.refresh_due else None,
+            record,
             residual,
+            traced,
         )
+
+    def _record_traced(self, part: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """The compiled forward's record (function.record_gradient): record (dy, x) if this layer is due."""
+        if self.refresh_due:
+            self._record_gradient(dy, x)
 
     def _weight_value(self, dtype: torch.dtype) -> torch.Tensor:
         return self._weight_store.value(dtype)  # type: ignore[union-attr]
@@ -850,7 +869,9 @@ class GaLoreLinear(nn.Module):
         # A Python bool, read in every forward (a compiled forward guards on it, not on the step count): the
         # layer re-evaluates it when its own clock ticks; a model's step driver invalidates it on the steps
         # where a layer of the model may change between due and not due (api.after_step).
-        self._refresh_due_cache = _schedule.refresh_due(self.counters(), self.schedule)
+        due = self._refresh_due_cache = _schedule.refresh_due(self.counters(), self.schedule)
+        if due:
+            self._compiled_record = True  # only the step driver clears it, for all layers of a model at once
 
     def next_refresh_step(self) -> Optional[int]:
         """The first value of ``galore_step``, from the current one on, at which the layer is due (None:

@@ -1,0 +1,82 @@
+"""Training compiled from step 0: ``torch.compile(model)`` before the first step, through calibration and
+the staggered refresh phases, against the same run in eager mode.
+
+The compiled forward records a refresh step's gradient through two opaque ops guarded by one model-wide
+flag (hf_galore_plugin/layers/function.py, "the refresh record, compiled"), so a whole run is two graphs
+(ordinary steps, record steps) whatever the number of layers and phases, without graph breaks. Dynamo's
+own counters are the oracle of graphs and breaks; the eager run is the oracle of losses and refreshes.
+The "eager" backend runs Dynamo's capture (guards, breaks, recompiles) without code generation;
+test_integration_features.py runs inductor itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_galore_plugin as hgp
+from hf_galore_plugin.inject import iter_galore_layers
+from conftest import build_tiny_llama
+
+STEPS = 10
+GAP = 3  # staggered: calibration at steps 0 and 1, then refresh phases at 3-4, 6-7, 9
+
+
+def _run(preset: str, *, compiled: bool, layers: int = 2, update_proj_gap: int = GAP, **config) -> dict:
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model = build_tiny_llama(seed=0, num_hidden_layers=layers)
+    model = hgp.prepare_model(model, hgp.GaLoreConfig.preset(preset, rank=8, update_proj_gap=update_proj_gap, **config))
+    optimizer = hgp.create_optimizer(model, lr=1e-3)
+    forward = torch.compile(model, backend="eager") if compiled else model
+    ids = torch.randint(0, 256, (STEPS, 2, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for step in range(STEPS):
+        loss = forward(input_ids=ids[step], labels=ids[step]).loss
+        loss.backward()
+        optimizer.step()
+        hgp.after_step(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    layers_ = [layer for _, layer in iter_galore_layers(model)]
+    return {
+        "losses": losses,
+        "refreshes": [layer.counter("galore_num_refreshes") for layer in layers_],
+        "phases": [layer.counter("galore_phase") for layer in layers_],
+        "bases": [layer.basis("right", torch.float32) for layer in layers_],
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "recompile_limit": sum(counters["recompile_limit"].values()) if "recompile_limit" in counters else 0,
+    }
+
+
+@pytest.mark.parametrize(
+    "preset, config, graphs",
+    [
+        ("galore_adamw", {}, 2),  # ordinary steps and record steps
+        ("qgalore_adamw_8bit", {}, 2),
+        # and the first call, before which the head has no forward of its own (loss.ChunkedLossForward)
+        ("galore_adamw", {"chunked_loss": True}, 3),
+    ],
+    ids=["galore_adamw", "qgalore_adamw_8bit", "chunked_loss"],
+)
+def test_compiled_from_step_zero_is_two_graphs_without_breaks_and_trains_as_eager(preset, config, graphs):
+    eager = _run(preset, compiled=False, **config)
+    compiled = _run(preset, compiled=True, **config)
+    assert compiled["breaks"] == 0
+    assert compiled["recompile_limit"] == 0
+    assert compiled["graphs"] == graphs
+    # Every layer refreshed as often as in eager mode (calibration + 2 or 3 refreshes), to the same basis.
+    assert compiled["refreshes"] == eager["refreshes"] and min(eager["refreshes"]) >= 3
+    for got, expected in zip(compiled["bases"], eager["bases"]):
+        if expected is not None:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-5)
+
+
+def test_graph_count_does_not_grow_with_layers_or_phases():
+    # 6 decoder layers (three times the GaLore layers above, and more staggered phases) over a longer gap.
+    run = _run("galore_adamw", compiled=True, layers=6, update_proj_gap=8)
+    assert max(layer_phases := run["phases"]) >= 2, layer_phases
+    assert run["graphs"] == 2 and run["breaks"] == 0
