@@ -3,7 +3,8 @@
     python benchmarks/step_overhead.py            # tiny Llama (hidden 64, 4 layers: 28 GaLore layers), 1 x 32 tokens
     python benchmarks/step_overhead.py --quick    # fewer rounds (CI smoke run)
     python benchmarks/step_overhead.py --size h1024 --rank 256 --batch 4 --seq-len 256 --threads 2
-    python benchmarks/step_overhead.py --compile  # every model through torch.compile (the step stays eager)
+    python benchmarks/step_overhead.py --compile --gap 10  # each method eager and torch.compile(model)d from
+                                                  # step 0 (refreshes every 10 steps), side by side
     python benchmarks/step_overhead.py --device cuda   # on a GPU: CPU time = the host work the GPU waits for
     python benchmarks/step_overhead.py --residual # each preset also with residual=True (Fira), side by side
 
@@ -20,7 +21,12 @@ the load of a shared machine:
   `nonzero`, `is_nonzero`, `equal`).
 
 Every step is an ordinary one (no basis refresh): the models are built with a refresh gap longer than
-the run and stepped through their calibration before the timed rounds.
+the run and stepped through their calibration before the timed rounds. With `--gap N` the layers refresh
+every N steps during the rounds too (the medians stay those of ordinary steps while fewer than half of the
+rounds refresh). With `--compile` every method also runs as `<method> compiled`: ``torch.compile(model)``
+(inductor) before its first step, so calibration and refreshes run compiled, with Dynamo's graphs and
+graph breaks counted over its whole run (a recompile-limit hit is an error) and its ratio to its own eager
+row; the optimizer step and after_step stay eager for every method alike.
 
 Two reference rows, `floor_lowrank` and `floor_quantized` (benchmarks/_floor.py), are the least an eager
 PyTorch GaLore layer can do per step, plain and with the qgalore preset's quantized storage (the tensor
@@ -50,6 +56,8 @@ METHODS = ("adamw_fused", "galore_torch", *OURS, *FLOORS)
 # --residual: a row "<preset>+residual" after each preset's, the preset with GaLoreConfig.residual=True.
 RESIDUAL = "+residual"
 PHASES = ("forward", "backward", "optimizer", "after_step")
+# --compile: a row "<method> compiled" after each method's, the same method through torch.compile(model).
+COMPILED = " compiled"
 # The tiny Llama of the overhead table: 4 decoder layers of 7 linear maps each.
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=512)  # fmt: skip
@@ -105,10 +113,15 @@ class Runner:
     """One model, its optimizer and one full training step (forward, backward, optimizer step, after_step
     for ours, zero_grad)."""
 
-    def __init__(self, method: str, size: dict[str, int], rank: int, device: str = "cpu") -> None:
+    def __init__(
+        self, method: str, size: dict[str, int], rank: int, device: str = "cpu", *, gap: int = 10**6,
+        compiled: bool = False,
+    ) -> None:  # fmt: skip
         import hf_galore_plugin as hgp
 
-        self.method = method
+        self.method = method + COMPILED if compiled else method
+        self.graphs = self.breaks = 0  # Dynamo's, over this runner's steps (compiled runners)
+        self.gap = gap
         residual = method.endswith(RESIDUAL)
         if residual:
             method = method[: -len(RESIDUAL)]
@@ -127,7 +140,7 @@ class Runner:
             ids = {id(p) for p in matrices}
             groups = [
                 {"params": [p for p in params if id(p) not in ids]},
-                {"params": matrices, "rank": rank, "update_proj_gap": 10**9, "scale": 0.25, "proj_type": "std"},
+                {"params": matrices, "rank": rank, "update_proj_gap": gap, "scale": 0.25, "proj_type": "std"},
             ]
             self.optimizer = GaLoreAdamW(groups, lr=1e-3)
         elif method in FLOORS:
@@ -136,14 +149,16 @@ class Runner:
             install(self.model, rank=rank, scale=0.25, quantized=method == "floor_quantized")
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=True)
         elif method in OURS:
-            config = hgp.GaLoreConfig.preset(method, rank=rank, update_proj_gap=10**6, residual=residual)
+            config = hgp.GaLoreConfig.preset(method, rank=rank, update_proj_gap=gap, residual=residual)
             hgp.prepare_model(self.model, config)
             self.optimizer = hgp.create_optimizer(self.model, lr=1e-3)
             model, optimizer = self.model, self.optimizer
             self.after = lambda: hgp.after_step(model, optimizer)
         else:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        self.forward: Callable[..., Any] = self.model  # torch.compile(self.model) with --compile
+        # Compiled before the first step (calibration and refreshes run compiled too).
+        self.forward: Callable[..., Any] = torch.compile(self.model) if compiled else self.model
+        self.compiled = compiled
         self.galore_layers = sum(type(m).__name__ in ("GaLoreLinear", "FloorLinear") for m in self.model.modules())
         self.linear_layers = sum(isinstance(m, torch.nn.Linear) for m in self.model.modules())
 
@@ -155,7 +170,8 @@ class Runner:
 
         layers = [m for m in self.model.modules() if isinstance(m, GaLoreLinear)]
         for _ in range(1000):
-            if all(layer.calibrated and not layer.refresh_due for layer in layers):
+            # With a short --gap some layer may be due at every step: then calibrated is enough.
+            if all(layer.calibrated and (self.gap < 10**6 or not layer.refresh_due) for layer in layers):
                 # One more step: a calibration resets the factor's optimizer state, which the next step
                 # allocates again (3 ops per layer of the last phase: not an ordinary step's cost).
                 self.step(tokens)
@@ -166,6 +182,10 @@ class Runner:
     def step(self, tokens: torch.Tensor) -> tuple[float, ...]:
         """One training step; returns the thread CPU time of its phases (forward, backward, optimizer step,
         after_step and zero_grad)."""
+        if self.compiled:
+            from torch._dynamo.utils import counters
+
+            graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         t0 = time.thread_time()
         loss = self.forward(input_ids=tokens, labels=tokens).loss
         t1 = time.thread_time()
@@ -175,7 +195,11 @@ class Runner:
         t3 = time.thread_time()
         self.after()
         self.optimizer.zero_grad(set_to_none=True)
-        return t1 - t0, t2 - t1, t3 - t2, time.thread_time() - t3
+        phases = t1 - t0, t2 - t1, t3 - t2, time.thread_time() - t3
+        if self.compiled:
+            self.graphs += counters["stats"]["unique_graphs"] - graphs
+            self.breaks += sum(counters["graph_break"].values()) - breaks
+        return phases
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,28 +224,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for method in args.methods
         for m in ((method, method + RESIDUAL) if args.residual and method in OURS else (method,))
     ]
-    runners = [Runner(method, size, args.rank, args.device) for method in methods]
+    runners = [
+        Runner(method, size, args.rank, args.device, gap=args.gap, compiled=compiled)
+        for method in methods
+        for compiled in ((False, True) if args.compile else (False,))
+    ]
     for runner in runners:  # calibration (the first basis of every layer) and warm-up
         for _ in range(3):
             runner.step(tokens)
         runner.calibrate(tokens)
     counts = {}
     for runner in runners:
+        if runner.compiled:
+            continue  # compiled code runs inductor's kernels, not aten ops: ops and syncs are the eager row's
         with OpCount() as mode:
             runner.step(tokens)
         counts[runner.method] = mode
-    graphs = None
-    if args.compile:
-        # After calibration, so that only ordinary steps are compiled (a step that records a refresh traces
-        # another graph); the optimizer step and after_step stay eager for every method alike. The op and
-        # sync counts above are the eager step's: compiled code runs inductor's kernels, not aten ops.
-        from torch._dynamo.utils import counters as dynamo_counters
-
-        for runner in runners:
-            runner.forward = torch.compile(runner.model)
-            for _ in range(3):
-                runner.step(tokens)
-        graphs = dynamo_counters["stats"]["unique_graphs"]
     times: dict[str, list[float]] = {r.method: [] for r in runners}
     wall: dict[str, list[float]] = {r.method: [] for r in runners}
     phases: dict[str, list[tuple[float, ...]]] = {r.method: [] for r in runners}
@@ -234,34 +252,39 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             times[runner.method].append(time.thread_time() - t0)
             synchronize()
             wall[runner.method].append(time.perf_counter() - w0)
-    recompiled = None if graphs is None else dynamo_counters["stats"]["unique_graphs"] - graphs
     base = runners[0].method
     rows = {}
     linear_work = None
     for runner in runners:
-        mode = counts[runner.method]
+        mode = counts.get(runner.method)
         rows[runner.method] = {
             "cpu_ms": 1e3 * statistics.median(times[runner.method]),
             "wall_ms": 1e3 * statistics.median(wall[runner.method]),
             # median of each phase over the rounds (they need not add up to the step's median)
             "phases_ms": dict(zip(PHASES, (1e3 * statistics.median(c) for c in zip(*phases[runner.method])))),
-            "ops": mode.work,
-            "syncs": mode.syncs,
+            "ops": None if mode is None else mode.work,
+            "syncs": None if mode is None else mode.syncs,
             "galore_layers": runner.galore_layers,
-            "top_ops": dict(mode.names.most_common(12)),
+            "top_ops": None if mode is None else dict(mode.names.most_common(12)),
+            # compiled runners: Dynamo's graphs and breaks over the whole run, and the ratio to the eager row
+            "graphs": runner.graphs if runner.compiled else None,
+            "graph_breaks": runner.breaks if runner.compiled else None,
         }
         if runner.method == base:
-            linear_work = mode.work
-    for row in rows.values():
+            linear_work = mode.work if mode is not None else None
+    for method, row in rows.items():
         row["vs_base_cpu"] = row["cpu_ms"] / rows[base]["cpu_ms"]
         row["vs_base_wall"] = row["wall_ms"] / rows[base]["wall_ms"]
+        eager = rows.get(method[: -len(COMPILED)]) if method.endswith(COMPILED) else None
+        row["vs_eager_cpu"] = None if eager is None else row["cpu_ms"] / eager["cpu_ms"]
         layers = row["galore_layers"]
-        row["extra_ops_per_layer"] = (row["ops"] - linear_work) / layers if layers else None
+        usable = layers and row["ops"] is not None and linear_work is not None
+        row["extra_ops_per_layer"] = (row["ops"] - linear_work) / layers if usable else None
     return {
         "size": size, "rank": args.rank, "batch": args.batch, "seq_len": args.seq_len, "threads": args.threads,
         "device": args.device,
         "rounds": args.rounds, "baseline": base, "torch": torch.__version__, "rows": rows,
-        "compile": args.compile, "graphs_compiled": graphs, "graphs_compiled_while_timed": recompiled,
+        "compile": args.compile, "gap": args.gap,
     }  # fmt: skip
 
 
@@ -273,23 +296,35 @@ def report(result: dict[str, Any]) -> str:
         f"{result['rounds']} interleaved rounds, {result['device']}, torch {result['torch']}; ratios to "
         f"{result['baseline']}",
     ]
-    if result["compile"]:
+    if result.get("gap", 10**6) < 10**6:
+        lines.append(f"refresh gap {result['gap']}: rounds include refresh steps (the medians are ordinary steps')")
+    compiled = result["compile"]
+    if compiled:
         lines.append(
-            f"torch.compile(model) for every method ({result['graphs_compiled']} graphs in all, "
-            f"{result['graphs_compiled_while_timed']} of them while timed); ops and syncs: the eager step"
+            f"`<method>{COMPILED}`: torch.compile(model) (inductor) before step 0; graphs and breaks: Dynamo's, over "
+            "its whole run; ops and syncs: the eager row's"
         )
+    more = " graphs | graph breaks | vs own eager (CPU) |" if compiled else ""
     lines += [
         "",
         "| method | step, CPU ms | vs base (CPU) | vs base (wall) | aten ops / step | extra ops / GaLore layer "
-        "| syncs / step |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| syncs / step |" + more,
+        "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (3 if compiled else 0),
     ]
     for method, row in result["rows"].items():
         extra = "" if row["extra_ops_per_layer"] is None else f"{row['extra_ops_per_layer']:.1f}"
-        lines.append(
-            f"| `{method}` | {row['cpu_ms']:.1f} | {row['vs_base_cpu']:.2f}x | {row['vs_base_wall']:.2f}x | "
-            f"{row['ops']} | {extra} | {row['syncs']} |"
-        )
+        cells = [
+            f"`{method}`", f"{row['cpu_ms']:.1f}", f"{row['vs_base_cpu']:.2f}x", f"{row['vs_base_wall']:.2f}x",
+            "" if row["ops"] is None else str(row["ops"]), extra, "" if row["syncs"] is None else str(row["syncs"]),
+        ]  # fmt: skip
+        if compiled:
+            mine = row.get("vs_eager_cpu")
+            cells += [
+                "" if row.get("graphs") is None else str(row["graphs"]),
+                "" if row.get("graph_breaks") is None else str(row["graph_breaks"]),
+                "" if mine is None else f"{mine:.2f}x",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         "CPU ms of the thread by phase (median over the rounds; after_step includes zero_grad):",
@@ -317,14 +352,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="where the models run; on cuda the CPU time is the host work of a step")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--compile", action="store_true",
-                        help="time each model's step through torch.compile(model) (inductor), after calibration")  # fmt: skip
+                        help="also run each method through torch.compile(model) (inductor) from its first step, "
+                             "as '<method> compiled'")  # fmt: skip
+    parser.add_argument("--gap", type=int, default=10**6,
+                        help="update_proj_gap of every GaLore method (default: longer than the run, no refreshes)")  # fmt: skip
     parser.add_argument("--residual", action="store_true",
                         help="also run each of our presets with residual=True (Fira's residual), as '<preset>+residual'")  # fmt: skip
     parser.add_argument("--out", type=pathlib.Path, help="also write the result as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 5
-    result = measure(args)
+    if args.gap < 1:
+        parser.error(f"--gap {args.gap}: a refresh gap is at least 1 step")
+    # Compiled from step 0: hitting Dynamo's recompile limit (graphs multiplying per refresh phase) is an error,
+    # not a silent fall back to eager frames.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        result = measure(args)
     text = report(result)
     print(text)
     if args.out:
