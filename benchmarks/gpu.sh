@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU subset of the benchmarks, for one Hopper GPU (H100/H200), in under 8 minutes:
+# The GPU subset of the benchmarks, for one Hopper GPU (H100/H200), in under 10 minutes:
 #   0. the fused 8-bit AdamW Triton kernel against its torch twin (tests/test_optim_triton.py, compiled),
 #   1. quantization kernel throughput (benchmarks/quant.py),
 #   2. fused 8-bit AdamW kernel throughput vs torch fused AdamW and bitsandbytes AdamW8bit,
@@ -10,7 +10,9 @@
 #   4. offloaded optimizer state (state_offload="cpu"): the CUDA path's bit-identity test (pinned host
 #      state, side-stream copies) and step time with and without offload, fp32 and 8-bit state,
 #   5. host work per training step on the GPU (benchmarks/step_overhead.py --device cuda: the tiny Llama's
-#      thread CPU time, ops and syncs per step for every method and the two eager-floor rows).
+#      thread CPU time, ops and syncs per step for every method and the two eager-floor rows),
+#   6. eager and compiled from step 0 (benchmarks/step_overhead.py --compile --gap 10, hidden 1024, rank 128,
+#      batch 4 x 256): wall time per step of each method both ways, Dynamo's graphs and graph breaks.
 # Usage: bash benchmarks/gpu.sh [OUT_DIR]       (default outputs/gpu)
 # Writes OUT_DIR/gpu.md (all tables, with date and device, to copy into docs/benchmarks/gpu.md) and gpu.log.
 # Without CUDA it runs nothing and exits with status 2 and a message saying why.
@@ -63,6 +65,7 @@ done
 run "offloaded state: CUDA bit-identity" 90 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_state_offload.py -k cuda
 run "offloaded state: fp32 step time" 60 "$PYTHON" benchmarks/offload.py --device cuda --hidden 2048 --vocab 128256 --dtype bf16 --steps 10 --json "$OUT/offload_fp32.json"
 run "host work per step (tiny Llama on the GPU)" 120 bash -c "'$PYTHON' benchmarks/step_overhead.py --device cuda --rounds 40 --out '$OUT/step_overhead.json' > '$OUT/step_overhead.md'"
+run "eager and compiled from step 0 (hidden 1024)" 150 bash -c "'$PYTHON' benchmarks/step_overhead.py --device cuda --size h1024 --rank 128 --batch 4 --seq-len 256 --compile --gap 10 --rounds 30 --methods adamw_fused galore_torch galore_adamw galore_adamw_8bit qgalore_adamw_8bit --out '$OUT/compiled.json' > '$OUT/compiled.md'"
 run "offloaded state: 8-bit step time" 60 "$PYTHON" benchmarks/offload.py --device cuda --hidden 2048 --vocab 128256 --dtype bf16 --state-bits 8 --error-feedback --steps 10 --json "$OUT/offload_8bit.json"
 
 {
@@ -90,6 +93,10 @@ run "offloaded state: 8-bit step time" 60 "$PYTHON" benchmarks/offload.py --devi
   echo "### Host work per step (benchmarks/step_overhead.py --device cuda --rounds 40)"
   echo
   grep -v -E "Warning|warn" "$OUT/step_overhead.md" 2>/dev/null || echo "(not measured: see gpu.log)"
+  echo
+  echo "### Eager and compiled from step 0, hidden 1024, rank 128 (benchmarks/step_overhead.py --compile --gap 10)"
+  echo
+  grep -v -E "Warning|warn" "$OUT/compiled.md" 2>/dev/null || echo "(not measured: see gpu.log)"
   echo
   echo "### Offloaded optimizer state (benchmarks/offload.py, 128256 x 2048 embedding and head, bf16)"
   echo
