@@ -80,3 +80,15 @@ def test_graph_count_does_not_grow_with_layers_or_phases():
     run = _run("galore_adamw", compiled=True, layers=6, update_proj_gap=8)
     assert max(layer_phases := run["phases"]) >= 2, layer_phases
     assert run["graphs"] == 2 and run["breaks"] == 0
+
+
+def test_a_copied_model_records_into_its_own_layers():
+    import copy
+
+    model = hgp.prepare_model(build_tiny_llama(seed=0), hgp.GaLoreConfig(rank=8, update_proj_gap=3))
+    twin = copy.deepcopy(model)
+    layer, twin_layer = next(iter_galore_layers(model))[1], next(iter_galore_layers(twin))[1]
+    assert twin_layer._recorder_id != layer._recorder_id
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.compile(twin, backend="eager")(input_ids=ids, labels=ids).loss.backward()
+    assert twin_layer._pending_grad is not None and layer._pending_grad is None

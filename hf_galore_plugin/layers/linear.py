@@ -810,6 +810,12 @@ class GaLoreLinear(nn.Module):
             traced,
         )
 
+    def __setstate__(self, state: dict) -> None:
+        # A copy (copy.deepcopy, pickle) is a layer of its own: the compiled record ops must find it, not the
+        # layer it was copied from, under its id.
+        super().__setstate__(state)
+        self._recorder_id = register_recorder(self)
+
     def _record_traced(self, part: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         """The compiled forward's record (function.record_gradient): record (dy, x) if this layer is due."""
         if self.refresh_due:
