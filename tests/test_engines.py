@@ -96,18 +96,27 @@ def test_reset_state_on_a_torch_optimizer_forgets_the_parameter():
     assert param not in optimizer.state
 
 
-def test_transform_state_on_a_torch_optimizer_maps_both_moments():
+def test_change_basis_on_a_torch_optimizer_follows_adams_state_rules():
+    # The contract's default for an optimizer without change_basis: torch's Adam layout, each moment by its rule.
     param, optimizer = _adamw_with_state()
     exp_avg, exp_avg_sq = (optimizer.state[param][k].clone() for k in ("exp_avg", "exp_avg_sq"))
-    contract.transform_state(optimizer, param, lambda m, v: (2 * m, 3 * v))
-    torch.testing.assert_close(optimizer.state[param]["exp_avg"], 2 * exp_avg)
-    torch.testing.assert_close(optimizer.state[param]["exp_avg_sq"], 3 * exp_avg_sq)
-    fresh = torch.nn.Parameter(torch.zeros(2))  # no state yet: nothing to transform
-    contract.transform_state(optimizer, fresh, lambda m, v: pytest.fail("called without state"))
+    t = torch.randn(4, 4)
+    contract.change_basis(optimizer, param, right=t, policy="project")
+    torch.testing.assert_close(optimizer.state[param]["exp_avg"], exp_avg @ t)
+    torch.testing.assert_close(optimizer.state[param]["exp_avg_sq"], exp_avg_sq @ t.square())
+    contract.change_basis(optimizer, param, policy="keep")
+    torch.testing.assert_close(optimizer.state[param]["exp_avg"], exp_avg @ t)
+    fresh = torch.nn.Parameter(torch.zeros(2, 2))  # no state yet: nothing to change
+    contract.change_basis(optimizer, fresh, left=torch.eye(2), policy="project")
+    assert fresh not in optimizer.state
+    contract.change_basis(optimizer, param, policy="reset")
+    assert param not in optimizer.state
+    with pytest.raises(ValueError, match="'keep', 'reset' or 'project'"):
+        contract.change_basis(optimizer, param, policy="transport")
 
 
 class _Adapter:
-    """An engine adapter with reset_state but without transform_state or an optimizer `state`."""
+    """An engine adapter with reset_state but without change_basis or an optimizer `state`."""
 
     def __init__(self):
         self.calls = []

@@ -2,6 +2,8 @@
 
 - :mod:`.contract`: what a refresh needs from the optimizer and from the engine (``typing.Protocol``\\ s,
   and the functions that apply them with their defaults); the layers depend on this, not on an engine.
+- :mod:`.basis`: a refresh's change of basis as the optimizer receives it (transport matrices, policy,
+  experts) and the rules by which state tensors in torch's layout follow it.
 - :mod:`.capabilities`: what each engine (single process, DDP, FSDP1, FSDP2, ZeRO-1/2/3) supports, and
   the one place that refuses what it does not.
 - :mod:`.collectives`: DTensor and ``torch.distributed`` helpers.

@@ -5,8 +5,12 @@ B at zero and sets new bases. It talks to one object, the *refresh optimizer*: a
 ``torch.optim.Optimizer`` or an engine adapter standing in for it
 (:class:`hf_galore_plugin.engines.deepspeed.DeepSpeedGaLoreOptimizer`). Each method of the two
 protocols below is optional (each is looked up on its own: an adapter may offer ``reset_state`` but
-not ``transform_state``); the functions of this module are the only place that checks for them,
+not ``change_basis``); the functions of this module are the only place that checks for them,
 and they define what happens when one is absent.
+
+The optimizer owns its state: a layer never reads or writes it. After a refresh the layer calls
+:func:`change_basis` with the geometry of the change (transport matrices, for an expert stack the experts
+whose basis changed) and the policy (:mod:`.basis`); the optimizer decides what that means for its state.
 
 The residual mode (``GaLoreConfig.residual``) needs one thing the other way round: the factor's Adam update
 of every step, which only the optimizer has. A layer registers itself as the :class:`UpdateObserver` of its
@@ -18,43 +22,53 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, ContextManager, Optional, Protocol, runtime_checkable
+from typing import Any, ContextManager, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from .basis import BasisChange, change_state_basis, state_rules
+
 __all__ = [
     "StateOptimizer",
     "EngineAdapter",
-    "MomentTransform",
     "UpdateObserver",
+    "change_basis",
     "gathered_parameters",
     "gathers_parameters",
     "has_update_observers",
     "observe_updates",
     "param_changed",
     "reset_state",
-    "transform_state",
     "unwrap_optimizer",
     "update_observer",
 ]
 
-MomentTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
 
 @runtime_checkable
 class StateOptimizer(Protocol):
-    """An optimizer whose per-parameter state a refresh may reset or transform.
+    """An optimizer that says itself what a refresh does to its per-parameter state.
 
-    Without these methods the state is ``optimizer.state[param]`` with fp32 ``exp_avg`` /
-    ``exp_avg_sq`` (torch's AdamW layout), which :func:`reset_state` and :func:`transform_state` edit.
+    Without ``reset_state`` a reset drops ``optimizer.state[param]``; without ``change_basis`` the state is
+    taken in torch's layout and changed key by key by the optimizer's ``basis_state_rules``
+    (:func:`hf_galore_plugin.engines.basis.state_rules`: torch's Adam layout when it declares none).
     """
 
     def reset_state(self, param: torch.Tensor) -> None:
         """Forget `param`'s state: its next step is a first step."""
 
-    def transform_state(self, param: torch.Tensor, fn: MomentTransform) -> None:
-        """Replace `param`'s moments (exp_avg, exp_avg_sq), given as fp32 tensors, by ``fn(exp_avg, exp_avg_sq)``."""
+    def change_basis(
+        self,
+        param: torch.Tensor,
+        *,
+        left: Optional[torch.Tensor] = None,
+        right: Optional[torch.Tensor] = None,
+        policy: str,
+        experts: Optional[torch.Tensor] = None,
+    ) -> None:
+        """`param`'s basis changed by the transport matrices `left` / `right` (given for ``policy='project'``),
+        for an expert stack of the experts in the mask `experts` (None: all): keep, reset or project `param`'s
+        state as `policy` says (:mod:`hf_galore_plugin.engines.basis`)."""
 
 
 @runtime_checkable
@@ -110,21 +124,30 @@ def reset_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
         optimizer.state.pop(param, None)
 
 
-def transform_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, fn: MomentTransform) -> None:
-    """Apply `fn` to `param`'s Adam moments (:class:`StateOptimizer`, or torch AdamW's layout in place).
+def change_basis(
+    optimizer: torch.optim.Optimizer,
+    param: torch.Tensor,
+    *,
+    left: Optional[torch.Tensor] = None,
+    right: Optional[torch.Tensor] = None,
+    policy: str,
+    experts: Optional[torch.Tensor] = None,
+) -> None:
+    """The seam between a refresh and the optimizer: `param`'s basis changed (:mod:`.basis`), the optimizer
+    keeps, resets or projects its state as `policy` says.
 
-    A parameter without moments yet (never stepped, or just reset) has nothing to transform.
+    The optimizer's own ``change_basis`` when it has one (:class:`StateOptimizer`); else 'keep' changes nothing,
+    a reset of the whole state is :func:`reset_state`, and a per-expert reset or a projection changes
+    ``optimizer.state[param]`` key by key by the optimizer's state rules (nothing before its first step).
     """
-    transform = getattr(optimizer, "transform_state", None)
-    if transform is not None:
-        transform(param, fn)
-        return
-    state = optimizer.state.get(param)
-    if not state or "exp_avg" not in state or "exp_avg_sq" not in state:
-        return
-    exp_avg, exp_avg_sq = fn(state["exp_avg"].float(), state["exp_avg_sq"].float())
-    state["exp_avg"].copy_(exp_avg)
-    state["exp_avg_sq"].copy_(exp_avg_sq)
+    change = BasisChange(policy=policy, left=left, right=right, experts=experts)  # checks the policy
+    method = getattr(optimizer, "change_basis", None)
+    if method is not None:
+        method(param, left=left, right=right, policy=policy, experts=experts)
+    elif change.resets_all:
+        reset_state(optimizer, param)
+    elif policy != "keep":
+        change_state_basis(optimizer.state.get(param), state_rules(optimizer), change, param)
 
 
 class UpdateObserver(Protocol):

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..state import state_of
 from ..utils import require
+from .basis import BasisChange, state_rules
 from .capabilities import check_moment_handling, check_residual, check_state_offload
 
 __all__ = ["DeepSpeedGaLoreOptimizer", "is_zero3_partitioned", "zero3_gathered", "import_deepspeed"]
@@ -61,7 +62,7 @@ def zero3_gathered(params: Iterable[Any], *, modifier_rank: Optional[int] = None
 
 
 class DeepSpeedGaLoreOptimizer:
-    """The optimizer protocol GaLore layers use (``param_changed``, ``reset_state``), for a DeepSpeed engine.
+    """The optimizer protocol GaLore layers use (``param_changed``, ``change_basis``), for a DeepSpeed engine.
 
     Supported: ZeRO stages 1, 2 and 3, fp32 / bf16 / fp16 (the master copy is updated with
     ``deepspeed.utils.safe_set_full_fp32_param``). ZeRO-3 partitions W0 and B themselves: a refresh
@@ -137,11 +138,38 @@ class DeepSpeedGaLoreOptimizer:
             # zero (in fp32, and as 8-bit codes of the code book's exact zero), whatever shares its blocks.
             self._first_calibrations.add(id(param))
 
+    def change_basis(
+        self,
+        param: torch.Tensor,
+        *,
+        left: Optional[torch.Tensor] = None,
+        right: Optional[torch.Tensor] = None,
+        policy: str,
+        experts: Optional[torch.Tensor] = None,
+    ) -> None:
+        """`param`'s basis changed (:mod:`.basis`): a reset of the whole state is :meth:`reset_state`; a reset
+        of some experts (moment_handling='reset' when some experts kept their basis) and a projection change the
+        client optimizer's fp32 state in ZeRO's partitions, at once (a collective: every rank calls it), key by
+        key by the client optimizer's state rules. moment_handling='project' is refused at construction."""
+        change = BasisChange(policy=policy, left=left, right=right, experts=experts)
+        if policy == "keep":
+            return
+        if change.resets_all:
+            self.reset_state(param)
+            return
+        rules = state_rules(self.optimizer)
+        values = self._full_state(param, list(rules))
+        changed = [change.apply(value, rule, param) for value, rule in zip(values, rules.values())]
+        self._set_full_state(param, dict(zip(rules, changed)))
+
     def transform_state(self, param: torch.Tensor, fn: Any) -> None:
-        """Replace `param`'s fp32 moments by ``fn(exp_avg, exp_avg_sq)`` in ZeRO's partitions, at once (a collective:
-        every rank calls it). Expert layers use it to zero the moments of the experts a refresh gave a new basis
-        (moment_handling='reset' when some experts kept theirs); moment_handling='project' is refused at
-        construction."""
+        """Replace `param`'s fp32 Adam moments by ``fn(exp_avg, exp_avg_sq)`` in ZeRO's partitions, at once (a
+        collective: every rank calls it)."""
+        exp_avg, exp_avg_sq = fn(*self._full_state(param, ["exp_avg", "exp_avg_sq"]))
+        self._set_full_state(param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+
+    def _full_state(self, param: torch.Tensor, keys: list[str]) -> list[torch.Tensor]:
+        """`param`'s whole fp32 state tensors under `keys`, read from ZeRO's partitions (a collective)."""
         utils = import_deepspeed("DeepSpeedGaLoreOptimizer").utils
         relink = getattr(self.zero_optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if self.zero_stage in (1, 2) and relink is not None:
@@ -150,15 +178,18 @@ class DeepSpeedGaLoreOptimizer:
             # found in optimizer state fragment"). Linking again covers every state that exists now.
             self.zero_optimizer._hp_optimizer_states_linked = False
             relink()
-        moments = [utils.safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
-        if any(m is None for m in moments):
+        values = [utils.safe_get_full_optimizer_state(param, key) for key in keys]
+        if any(value is None for value in values):
             raise NotImplementedError(
                 "cannot transform the 8-bit optimizer state of one factor inside a ZeRO flat partition; use "
                 "state_bits=32, or moment_handling='keep'"
             )
-        exp_avg, exp_avg_sq = fn(moments[0].float(), moments[1].float())
-        utils.safe_set_full_optimizer_state(param, exp_avg, "exp_avg")
-        utils.safe_set_full_optimizer_state(param, exp_avg_sq, "exp_avg_sq")
+        return [value.float() for value in values]
+
+    def _set_full_state(self, param: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        utils = import_deepspeed("DeepSpeedGaLoreOptimizer").utils
+        for key, value in values.items():
+            utils.safe_set_full_optimizer_state(param, value, key)
 
     # ------------------------------------------------------------------ internals
     def _apply_pending_resets(self, optimizer, args, kwargs) -> None:
@@ -204,7 +235,7 @@ class DeepSpeedGaLoreOptimizer:
             utils.safe_set_full_optimizer_state,
         )
 
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in state_rules(self.optimizer):
             if safe_get_full_optimizer_state(param, key) is None:
                 raise NotImplementedError(
                     f"cannot reset the 8-bit optimizer state of one factor inside a ZeRO flat partition (no {key!r}); "

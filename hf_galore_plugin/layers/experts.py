@@ -38,19 +38,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
-from ..engines.collectives import (
-    all_reduce_mean,
-    from_local,
-    full_tensor,
-    is_dtensor,
-    local_rows,
-    local_shard,
-    same_layout,
-)
-from ..engines.contract import gathered_parameters
+from ..engines.collectives import all_reduce_mean, full_tensor, local_rows, local_shard, same_layout
+from ..engines.contract import change_basis, gathered_parameters
 from ..engines.contract import param_changed as _param_changed
-from ..engines.contract import reset_state as _reset_state
-from ..engines.contract import transform_state as _transform_state
 from ..projection import BasisError, basis_from_sketch, resolve_sides, subspace_similarity
 from ..projection import transport_matrix
 from . import refresh as _refresh_mod
@@ -302,7 +292,7 @@ class GaLoreExpertStack(GaLoreLinear):
             _refresh_mod._update_lazy_gap(self, similarity)
         self._buffers["galore_last_similarity"].fill_(similarity)  # type: ignore[union-attr]
         if optimizer is not None:
-            self._update_moments(optimizer, first, hit, old, stored)
+            self._change_basis(optimizer, first, hit, old, stored)
         kept = self.num_experts - len(refreshed)
         if kept:
             never = sum(1 for e in range(self.num_experts) if not hit[e] and not had_basis[e])
@@ -322,7 +312,7 @@ class GaLoreExpertStack(GaLoreLinear):
         self._add_counter("galore_num_refreshes")
         return similarity
 
-    def _update_moments(
+    def _change_basis(
         self,
         optimizer: torch.optim.Optimizer,
         first: bool,
@@ -330,62 +320,26 @@ class GaLoreExpertStack(GaLoreLinear):
         old: dict[str, torch.Tensor],
         new: dict[str, torch.Tensor],
     ) -> None:
-        """The factor's Adam moments after a refresh, per expert: an expert that kept its basis keeps its
-        moments; a refreshed one follows ``moment_handling`` ('keep', 'reset': zeroed, 'project':
-        transported into its new basis)."""
-        handling = self.config.moment_handling
-        if first or (handling == "reset" and all(hit)):
-            _reset_state(optimizer, self.galore_factor)
-            return
-        if handling == "keep":
-            return
-        mask = torch.tensor(hit, dtype=torch.float32, device=self.galore_factor.device).view(-1, 1, 1)
-        if handling == "reset":
-            # Zero the refreshed experts' moments; the factor's step counter is shared by all experts and runs on.
-            self._transform_moments(optimizer, lambda m, v, rows: (m * (1 - mask[rows]), v * (1 - mask[rows])))
-            return
-        transports = {}
-        for side, basis in new.items():
-            eye = torch.eye(basis.shape[-1], device=basis.device).expand(self.num_experts, -1, -1)
-            transports[side] = torch.where(mask.bool(), transport_matrix(old[side], basis), eye)
-
-        def transport(
-            exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, rows: slice
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            if "left" in transports:
-                t = transports["left"][rows]
-                exp_avg, exp_avg_sq = t.mT @ exp_avg, t.square().mT @ exp_avg_sq
-            if "right" in transports:
-                t = transports["right"][rows]
-                exp_avg, exp_avg_sq = exp_avg @ t, exp_avg_sq @ t.square()
-            return exp_avg, exp_avg_sq
-
-        self._transform_moments(optimizer, transport)
-
-    def _transform_moments(
-        self,
-        optimizer: torch.optim.Optimizer,
-        fn: Callable[[torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
-        """Apply `fn(exp_avg, exp_avg_sq, rows)` to the factor's moments, `rows` the experts they hold: all of
-        them, or under FSDP2 (moments sharded on the expert dimension like the factor) this rank's experts,
-        whose moments are whole (per-expert transforms need no communication, whatever the basis side)."""
-
-        start, stop = local_rows(self.galore_factor)
-
-        def apply(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # torch's optimizers keep DTensor moments; the package's AdamW passes the local shards.
-            if is_dtensor(exp_avg) and is_dtensor(exp_avg_sq):
-                m, v = fn(local_shard(exp_avg), local_shard(exp_avg_sq), slice(start, stop))
-                return from_local(m, exp_avg), from_local(v, exp_avg_sq)
-            if exp_avg.shape[0] != stop - start:
-                raise RuntimeError(
-                    f"the moments of a GaLore expert factor have shape {tuple(exp_avg.shape)}, expected {stop - start} "
-                    "experts first: an engine holds them in another layout, which expert layers do not support"
-                )
-            return fn(exp_avg, exp_avg_sq, slice(start, stop))
-
-        _transform_state(optimizer, self.galore_factor, apply)
+        """Hand the optimizer the change of basis of the factor (engines.contract.change_basis): per expert, one
+        that kept its basis keeps its state (identity transport, out of the `experts` mask); a refreshed one
+        follows ``moment_handling`` ('keep', 'reset', 'project'); a first calibration resets the whole state."""
+        policy = "reset" if first else self.config.moment_handling
+        device = self.galore_factor.device
+        experts = None if first or all(hit) else torch.tensor(hit, dtype=torch.bool, device=device)
+        transports: dict[str, torch.Tensor] = {}
+        if policy == "project":
+            mask = torch.tensor(hit, dtype=torch.bool, device=device).view(-1, 1, 1)
+            for side, basis in new.items():
+                eye = torch.eye(basis.shape[-1], device=basis.device).expand(self.num_experts, -1, -1)
+                transports[side] = torch.where(mask, transport_matrix(old[side], basis), eye)
+        change_basis(
+            optimizer,
+            self.galore_factor,
+            left=transports.get("left"),
+            right=transports.get("right"),
+            policy=policy,
+            experts=experts,
+        )
 
     # ------------------------------------------------------------------ merged weight
     # lowrank_delta is GaLoreLinear's: its matmuls batch over the expert dimension (E x m x n).

@@ -4,8 +4,10 @@ Recording (in the refresh step's backward, a hook on the output of :func:`~.func
 gradient G = dy^T x, or with ``basis_method='sketch'`` one streaming sketch per basis side, summed over
 micro-batches. The refresh (after the optimizer step): average the record over data-parallel ranks,
 compute the new bases (:mod:`hf_galore_plugin.projection`), fold the factor B into W0, install the bases,
-adapt the lazy gap (Q-GaLore) and reset or transport the factor's Adam moments through the engine
-contract (:mod:`hf_galore_plugin.engines.contract`). The effective weight is unchanged by a refresh.
+adapt the lazy gap (Q-GaLore) and hand the optimizer the change of basis of the factor (its transport
+matrices and the ``moment_handling`` policy) through the engine contract's one seam
+(:func:`hf_galore_plugin.engines.contract.change_basis`): what it means for the optimizer's state is the
+optimizer's business, and a layer never touches that state. The effective weight is unchanged by a refresh.
 
 The functions take the layer as a :class:`RefreshTarget`: the protocol lists everything a refresh reads
 and writes, and :class:`~hf_galore_plugin.layers.GaLoreLinear` (which binds the public functions as its
@@ -24,9 +26,7 @@ from ..engines.collectives import all_reduce_mean as _all_reduce_mean
 from ..engines.collectives import is_dtensor as _is_dtensor
 from ..engines.collectives import local_shard as _local
 from ..engines.collectives import world_size as _world_size
-from ..engines.contract import gathered_parameters, param_changed
-from ..engines.contract import reset_state as _reset_state
-from ..engines.contract import transform_state as _transform_state
+from ..engines.contract import change_basis, gathered_parameters, param_changed
 from ..projection import BasisError, Reduce, basis_from_sketch, compute_basis, subspace_similarity, transport_matrix
 from ..config import GaLoreConfig
 from .storage import stochastic_round_to_bf16
@@ -284,10 +284,7 @@ def _install_bases(
         _update_lazy_gap(layer, similarity)
     layer.galore_last_similarity.fill_(similarity)
     if optimizer is not None:
-        if first or layer.config.moment_handling == "reset":
-            _reset_state(optimizer, layer.galore_factor)
-        elif layer.config.moment_handling == "project":
-            _transport_moments(layer, optimizer, old_bases, stored)
+        _change_basis(layer, optimizer, "reset" if first else layer.config.moment_handling, old_bases, stored)
     layer._set_counter("galore_last_refresh", layer.counter("galore_step"))
     layer._add_counter("galore_num_refreshes")
     return similarity
@@ -327,24 +324,15 @@ def _update_lazy_gap(layer: RefreshTarget, similarity: float) -> None:
         layer._set_counter("galore_agree_count", 0)
 
 
-def _transport_moments(
-    layer: RefreshTarget, optimizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+def _change_basis(
+    layer: RefreshTarget, optimizer, policy: str, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
 ) -> None:
-    # First moment: exact change of coordinates (it is a linear function of past projected
-    # gradients). Second moment: no exact transport exists for an elementwise statistic; mapping it
-    # with the squared transport matrix keeps it non-negative and exact for permutations/sign flips.
-    if _is_dtensor(layer.galore_factor):
-        check_moment_handling("fsdp2", moment_handling="project", left_basis="left" in new)
-    t_left = transport_matrix(old["left"], new["left"]) if "left" in new else None
-    t_right = transport_matrix(old["right"], new["right"]) if "right" in new else None
-
-    def transport(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
-        if t_left is not None:
-            exp_avg = t_left.mT @ exp_avg
-            exp_avg_sq = t_left.square().mT @ exp_avg_sq
-        if t_right is not None:
-            exp_avg = exp_avg @ t_right
-            exp_avg_sq = exp_avg_sq @ t_right.square()
-        return exp_avg, exp_avg_sq
-
-    _transform_state(optimizer, layer.galore_factor, transport)
+    # The optimizer gets the geometry of the change and the policy; what they mean for its state is its own
+    # business (engines.basis). The transport matrices are needed for 'project' only.
+    left = right = None
+    if policy == "project":
+        if _is_dtensor(layer.galore_factor):
+            check_moment_handling("fsdp2", moment_handling="project", left_basis="left" in new)
+        left = transport_matrix(old["left"], new["left"]) if "left" in new else None
+        right = transport_matrix(old["right"], new["right"]) if "right" in new else None
+    change_basis(optimizer, layer.galore_factor, left=left, right=right, policy=policy)

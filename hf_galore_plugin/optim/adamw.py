@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from hf_galore_plugin.engines.collectives import from_local, is_dtensor, local_shard, one_row_per_shard
+from hf_galore_plugin.engines.basis import ADAM_STATE_RULES, LINEAR, SQUARED, BasisChange
 from hf_galore_plugin.engines.contract import has_update_observers, update_observer
 from hf_galore_plugin.optim.adamw8bit import AdamW8bitHyper, dequantize_moment, quantize_moment
 from hf_galore_plugin.optim.functional import (
@@ -260,7 +261,13 @@ class AdamW(torch.optim.Optimizer):
             device bound the device memory the state takes during a step (32 MiB by default).
     state_bits, block_size, error_feedback and state_offload take effect when a parameter's state is created
     (its first step, or the first step after `reset_state`).
+
+    A GaLore refresh changes the basis of a factor through `change_basis` (the engine contract's seam); engines
+    that handle the fp32 state by key (DeepSpeed ZeRO's partitions) read how each moment follows a change of
+    basis from `basis_state_rules`.
     """
+
+    basis_state_rules = ADAM_STATE_RULES
 
     def __init__(
         self,
@@ -576,6 +583,28 @@ class AdamW(torch.optim.Optimizer):
         """Forget `param`'s state; its next step starts from zero moments at step 1."""
         self.state.pop(param, None)
         self._step_counts.pop(id(param), None)
+
+    def change_basis(
+        self,
+        param: torch.Tensor,
+        *,
+        left: torch.Tensor | None = None,
+        right: torch.Tensor | None = None,
+        policy: str,
+        experts: torch.Tensor | None = None,
+    ) -> None:
+        """`param`'s GaLore basis changed (`hf_galore_plugin.engines.basis`): 'keep' leaves the state, 'reset'
+        forgets it (`reset_state`; for some experts of a stack: their moments restart at zero, the step count
+        runs on), 'project' moves the moments into the new coordinates: the first one exactly (T^T m, m T), the
+        second through the elementwise square of T (T.square()^T v, v T.square()). 8-bit state is dequantized,
+        changed and requantized (`transform_state`); no-op before the first step."""
+        change = BasisChange(policy=policy, left=left, right=right, experts=experts)
+        if policy == "keep":
+            return
+        if change.resets_all:
+            self.reset_state(param)
+            return
+        self.transform_state(param, lambda m, v: (change.apply(m, LINEAR, param), change.apply(v, SQUARED, param)))
 
     def transform_state(
         self, param: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
