@@ -46,7 +46,7 @@ where a method freezes some):
                    (_common.NF4FrozenLinear) and dequantized in the forward; embeddings, norms and the head stay fp32
                    and frozen, as peft + bitsandbytes' QLoRA leaves them. (bitsandbytes' own 4-bit layers are not
                    used: this is the same storage format on any device.)
-  galore_adamw_r<R>, galore_adamw_8bit_r<R>, qgalore_adamw_8bit_r<R>
+  galore_adamw_r<R>, galore_adamw_8bit_r<R>, qgalore_adamw_8bit_r<R>, galore_adamw_residual_r<R> (residual=True)
                    our presets through the plain API (prepare_model, create_optimizer, after_step after every
                    optimizer step; a layer calibrates, i.e. computes its first basis, at the step of its
                    refresh phase) at rank R = hidden/16, hidden/8, hidden/4; every GaLoreConfig field at its
@@ -97,6 +97,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
+# Fira's residual (GaLoreConfig.residual=True) on the plain preset: "<preset><RESIDUAL>_r<R>".
+RESIDUAL = "_residual"
+RESIDUAL_PRESETS = ("galore_adamw",)
 RANK_DIVISORS = (16, 8, 4)  # GaLore ranks hidden / 16, hidden / 8, hidden / 4
 BASELINES = ("adamw", "bnb_adamw8bit", "lora_r16", "qlora_nf4_r16")
 LORA_RANK = 16
@@ -173,14 +176,15 @@ SIZES = {
 
 def methods_of(size: Size) -> tuple[str, ...]:
     ranks = [size.hidden // d for d in RANK_DIVISORS]
-    return BASELINES + tuple(f"{p}_r{r}" for p in PRESETS for r in ranks)
+    presets = PRESETS + tuple(p + RESIDUAL for p in RESIDUAL_PRESETS)
+    return BASELINES + tuple(f"{p}_r{r}" for p in presets for r in ranks)
 
 
 def resolve(method: str) -> tuple[str, Optional[int]]:
     """(the _common method that trains `method`, its GaLore rank or None)."""
     match = re.fullmatch(r"(.+)_r(\d+)", method)
-    if match and match.group(1) in PRESETS:
-        return match.group(1), int(match.group(2))
+    if match and match.group(1).removesuffix(RESIDUAL) in PRESETS:
+        return match.group(1).removesuffix(RESIDUAL), int(match.group(2))
     return BASELINE_KIND[method], None
 
 
@@ -416,6 +420,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         targets_regex=TARGETS, extra_trainable=NOTHING, galore_rank=rank or 0,
         galore_gap=job["gap"] or defaults.update_proj_gap, galore_scale=job["scale"] or defaults.scale,
         lora_rank=LORA_RANK, lora_matched_rank=LORA_RANK,
+        galore_overrides=(("residual", True),) if RESIDUAL + "_r" in job["method"] else (),
     )  # fmt: skip
     torch.manual_seed(job["seed"])  # LoRA's initialisation
     started = time.perf_counter()
