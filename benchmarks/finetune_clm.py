@@ -500,7 +500,8 @@ def training_state(parts: dict[str, int]) -> Optional[int]:
 def note(method: str, setup: "_common.MethodSetup") -> str:
     kind, rank = resolve(method)
     if rank is not None:
-        return f"rank {rank}, scale {setup.galore_scale}, gap {setup.galore_gap}, lr_scale 0.85"
+        extra = "".join(f", {key}={value}" for key, value in setup.galore_overrides)
+        return f"rank {rank}, scale {setup.galore_scale}, gap {setup.galore_gap}, lr_scale 0.85{extra}"
     if kind in ("lora_r8", "qlora_nf4"):
         return f"rank {LORA_RANK}, alpha {2 * LORA_RANK}, adapters only" + (", NF4 base" if kind == "qlora_nf4" else "")
     return "full fine-tuning"

@@ -22,9 +22,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.benchmark
 
-# The quick size's methods: the four baselines and each preset at ranks hidden / 16, / 8, / 4 of hidden 64.
+# The quick size's methods: the four baselines and each preset (and galore_adamw with Fira's residual) at
+# ranks hidden / 16, / 8, / 4 of hidden 64.
+PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "galore_adamw_residual")
 METHODS = ["adamw", "bnb_adamw8bit", "lora_r16", "qlora_nf4_r16"] + [
-    f"{preset}_r{rank}" for preset in ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit") for rank in (4, 8, 16)
+    f"{preset}_r{rank}" for preset in PRESETS for rank in (4, 8, 16)
 ]
 
 
@@ -101,6 +103,10 @@ def test_finetune_clm_quick(tmp_path):
     # and LoRA holds gradients and state of its adapters only.
     state = {r["method"]: r["training_state_bytes"] for r in summary["methods"]}
     assert state["qgalore_adamw_8bit_r4"] < state["galore_adamw_r4"] < state["adamw"]
+    assert (
+        "residual=True" in runs["galore_adamw_residual_r4"]["note"]
+        and state["galore_adamw_residual_r4"] < state["adamw"]
+    )
     assert (
         state["lora_r16"] < state["adamw"] and runs["lora_r16"]["trainable_params"] < runs["adamw"]["trainable_params"]
     )
