@@ -92,3 +92,34 @@ def test_a_copied_model_records_into_its_own_layers():
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.compile(twin, backend="eager")(input_ids=ids, labels=ids).loss.backward()
     assert twin_layer._pending_grad is not None and layer._pending_grad is None
+
+
+def test_moe_expert_stacks_compile_without_recompiling_per_step():
+    # The expert dispatch runs eagerly (rows per expert are data): a break at each MoE layer, and a fixed set
+    # of graphs after the first record and ordinary steps, where specialising on the routing would recompile
+    # at every step until Dynamo's limit.
+    from test_experts import qwen3_moe
+
+    def run(compiled: bool) -> tuple[list[float], list[int]]:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = hgp.prepare_model(qwen3_moe(0), hgp.GaLoreConfig(rank=8, update_proj_gap=GAP, experts=True))
+        optimizer = hgp.create_optimizer(model, lr=1e-3)
+        forward = torch.compile(model, backend="eager") if compiled else model
+        ids = torch.randint(0, 128, (2 * GAP + 2, 2, 16), generator=torch.Generator().manual_seed(1))
+        losses, graphs = [], []
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for batch in ids:
+                loss = forward(input_ids=batch, labels=batch).loss
+                loss.backward()
+                optimizer.step()
+                hgp.after_step(model, optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        return losses, graphs
+
+    eager_losses, _ = run(False)
+    losses, graphs = run(True)
+    assert graphs[GAP] == graphs[-1] <= 8, graphs  # nothing compiled after the first gap (refreshes included)
+    assert losses == pytest.approx(eager_losses, abs=1e-5)

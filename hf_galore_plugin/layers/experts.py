@@ -474,6 +474,10 @@ class GaLoreExperts(nn.Module):
             experts._parameters[name] = None
         object.__setattr__(self, "stock", experts)
 
+    # Compiled models run the dispatch eagerly: the rows per expert are data (host ints the per-expert GEMMs
+    # are sized by), which a graph would specialise on and recompile for at every step until Dynamo's limit.
+    # Outside the graph, the rest of the model stays compiled, with a break at each MoE layer and no recompiles.
+    @torch.compiler.disable(reason="GaLore expert dispatch: rows per expert are data-dependent host ints")
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
