@@ -33,6 +33,7 @@ _LAZY = {
     "linear_cross_entropy": ".loss",
     "GaLoreLinear": ".layers",
     "AdamW": ".optim",
+    "Adafactor": ".optim",
     "list_optimizer_entry_points": ".registry",
     "load_optimizer_preset": ".registry",
 }

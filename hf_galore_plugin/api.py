@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .config import GaLoreConfig
-from .engines.capabilities import check_moment_handling
+from .engines.capabilities import check_inner_optimizer, check_moment_handling
 from .engines.collectives import is_dtensor
 from .engines.contract import gathers_parameters, unwrap_optimizer
 from .engines.fsdp1 import check_fsdp1_layers, fsdp1_units, group_by_unit, had_gradient, summon_unit
@@ -107,6 +107,19 @@ def galore_param_groups(
                 by_scale.setdefault(layers[id(p)][1].scale, []).append(p)
         group_eps = group.get("eps", eps)
         for scale, lowrank in by_scale.items():
+            if isinstance(group_eps, (tuple, list)):
+                # Adafactor's (eps1, eps2): eps1 is added to the squared gradient, so it scales by scale**2 for
+                # Adafactor(scale * R, eps1 * scale**2) == Adafactor(R, eps1); eps2 bounds the parameter's RMS.
+                result.append(
+                    {
+                        **group,
+                        "params": lowrank,
+                        "eps": (group_eps[0] * scale**2, group_eps[1]),
+                        "galore": True,
+                        "galore_layers": [layers[id(p)][0] for p in lowrank],
+                    }
+                )
+                continue
             if group_eps > 0 and not group_eps * scale >= sys.float_info.min:
                 raise ValueError(
                     f"GaLoreConfig.scale={config.scale!r} is too small: the GaLore groups' Adam eps is eps * scale "
@@ -269,12 +282,15 @@ def create_optimizer(
     eps: float = 1e-8,
     param_groups: Optional[list[dict[str, Any]]] = None,
 ):
-    """AdamW (fp32 or 8-bit state per `config`) over every trainable parameter of a prepared model.
+    """AdamW (fp32 or 8-bit state per `config`) over every trainable parameter of a prepared model, or
+    Adafactor with ``config.inner_optimizer='adafactor'`` (the ``galore_adafactor`` preset: `lr` is its fixed
+    step size, relative_step and scale_parameter off as transformers' galore_adafactor passes them; `betas` and
+    `eps` are Adam's and are not used, Adafactor's options are the config's ``adafactor_*`` fields).
 
     `param_groups` (e.g. a decay / no-decay split) replaces the default single group of all
     trainable parameters with ``weight_decay``.
     """
-    from .optim import AdamW
+    from .optim import Adafactor, AdamW
 
     state = state_of(model)
     config = config or (state.config if state is not None else None)
@@ -286,6 +302,12 @@ def create_optimizer(
     # (engines.fsdp1, DeepSpeedGaLoreOptimizer). Anything else must hold the 2-D factor.
     fsdp1_managed = check_fsdp1_layers(galore_layers(model), fsdp1_units(model))
     _initialise_materialised_layers(model, fsdp1_managed)
+    if config.inner_optimizer != "adamw":
+        engine = "fsdp1" if fsdp1_managed else None
+        for _, layer in galore_layers(model):
+            factor = layer.galore_factor
+            engine = engine or ("fsdp2" if is_dtensor(factor) else "zero3" if hasattr(factor, "ds_id") else None)
+        check_inner_optimizer(engine or "single", inner_optimizer=config.inner_optimizer)
     for name, layer in galore_layers(model):
         if id(layer) not in fsdp1_managed and not hasattr(layer.galore_factor, "ds_id"):
             layer._check_factor_layout()
@@ -301,6 +323,25 @@ def create_optimizer(
             )
     if param_groups is None:
         param_groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    optimizer: torch.optim.Optimizer
+    if config.inner_optimizer == "adafactor":
+        adafactor_eps = (1e-30, 1e-3)  # Adafactor's (transformers') defaults: eps1 of g^2, eps2 of the RMS
+        groups = galore_param_groups(
+            model, [{**group, "eps": adafactor_eps} for group in param_groups], config, eps=adafactor_eps[0]
+        )
+        optimizer = Adafactor(
+            groups,
+            lr=lr,
+            eps=adafactor_eps,
+            clip_threshold=config.adafactor_clip_threshold,
+            decay_rate=config.adafactor_decay_rate,
+            beta1=config.adafactor_beta1,
+            weight_decay=weight_decay,
+            scale_parameter=False,
+            relative_step=False,
+        )
+        install_base_decay_hook(optimizer, model)
+        return optimizer
     groups = galore_param_groups(model, param_groups, config, eps=eps)
     optimizer = AdamW(
         groups,

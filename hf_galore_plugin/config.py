@@ -20,6 +20,7 @@ __all__ = [
     "PROJ_TYPES",
     "BASIS_METHODS",
     "MOMENT_HANDLING",
+    "INNER_OPTIMIZERS",
     "REFRESH_SCHEDULES",
     "PAPER_REFRESH",
     "kept_on_resume",
@@ -33,6 +34,7 @@ LOG_KEYS = ("brief", "full")
 WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
 STATE_OFFLOAD = ("none", "cpu")
+INNER_OPTIMIZERS = ("adamw", "adafactor")
 _OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size", "chunked_loss_tokens")
 # Step counts and sizes go into int64 counter buffers (a lazily grown gap is a product of them): any
 # value this large is a typo, refused before it overflows somewhere that cannot name the field.
@@ -140,6 +142,29 @@ class GaLoreConfig:
         "package's AdamW; runs in one process and under DDP (the residual is all-reduced), refused under "
         "FSDP1, FSDP2 and DeepSpeed ZeRO.",
         default=False,
+    )
+    inner_optimizer: str = _help(
+        "The optimizer of the GaLore factors and of every other trainable parameter: 'adamw' (this package's "
+        "AdamW, fp32 or 8-bit moments) or 'adafactor' (Adafactor, Shazeer & Stern 2018, as transformers' "
+        "galore_adafactor runs it: a factored second moment, m + r values for an m x r factor instead of Adam's "
+        "2 m r; update clipping; the step size is the learning rate, relative_step and scale_parameter off). "
+        "With 'adafactor', state_bits=8, error_feedback, state_offload='cpu' and residual are refused (AdamW's); "
+        "it runs in one process and under DDP, and is refused under FSDP1, FSDP2 and DeepSpeed ZeRO.",
+        default="adamw",
+    )
+    adafactor_beta1: Optional[float] = _help(
+        "inner_optimizer='adafactor' only: Adafactor's first-moment coefficient in [0, 1), or None (default, "
+        "Adafactor's: no first moment, the state is the factored second moment alone).",
+        default=None,
+    )
+    adafactor_clip_threshold: float = _help(
+        "inner_optimizer='adafactor' only: update clipping, the RMS of each update is at most this (Adafactor: 1.0).",
+        default=1.0,
+    )
+    adafactor_decay_rate: float = _help(
+        "inner_optimizer='adafactor' only: the second moment's decay beta2_t = 1 - t ** decay_rate at step t "
+        "(Adafactor: -0.8; must be < 0).",
+        default=-0.8,
     )
     state_bits: int = _help("Optimizer state precision: 32 (fp32 moments) or 8 (8-bit blockwise).", default=32)
     state_block_size: int = _help("Block size of the 8-bit optimizer state (power of two).", default=256)
@@ -345,6 +370,7 @@ class GaLoreConfig:
         if self.expert_rank != _EXPERT_RANK and not self.experts:
             raise bad("expert_rank", "it is the rank of the experts' bases, built with experts=True only: set "
                       "experts=True (optim_args experts=true), or drop expert_rank")  # fmt: skip
+        self._validate_inner_optimizer(bad)
         if not isinstance(self.chunked_loss, bool):
             raise TypeError(f"GaLoreConfig.chunked_loss must be a bool, got {self.chunked_loss!r}")
         if self.chunked_loss_tokens is not None:
@@ -379,6 +405,38 @@ class GaLoreConfig:
                 raise bad(name, "an empty entry is a substring of every module name: remove it")
         if isinstance(self.target_modules, (list, tuple)) and not self.target_modules:
             raise bad("target_modules", "an empty list selects nothing; use None for the default targets")
+
+    def _validate_inner_optimizer(self, bad: Any) -> None:
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise bad("inner_optimizer", f"choose one of {list(INNER_OPTIMIZERS)}")
+        for name in ("adafactor_clip_threshold", "adafactor_decay_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TypeError(f"GaLoreConfig.{name} must be a finite float, got {value!r}")
+        beta1 = self.adafactor_beta1
+        if beta1 is not None and (isinstance(beta1, bool) or not isinstance(beta1, (int, float)) or not 0 <= beta1 < 1):
+            raise bad("adafactor_beta1", "use None (no first moment) or a float in [0, 1), e.g. 0.9")
+        if not self.adafactor_clip_threshold > 0:
+            raise bad("adafactor_clip_threshold", "use a positive RMS bound (Adafactor: 1.0)")
+        if not self.adafactor_decay_rate < 0:
+            raise bad("adafactor_decay_rate", "use a negative exponent (Adafactor: -0.8)")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.inner_optimizer != "adafactor":
+            for name in ("adafactor_beta1", "adafactor_clip_threshold", "adafactor_decay_rate"):
+                if getattr(self, name) != defaults[name]:
+                    raise bad(name, "it is an option of Adafactor: set inner_optimizer='adafactor' (the "
+                              "galore_adafactor preset), or drop it")  # fmt: skip
+            return
+        for name, why in (
+            ("state_bits", "Adafactor keeps fp32 statistics: use state_bits=32"),
+            ("error_feedback", "it feeds back the 8-bit AdamW state's rounding: drop it"),
+            ("residual", "Fira's residual needs each factor's Adam update: use inner_optimizer='adamw'"),
+        ):
+            if getattr(self, name) != defaults[name]:
+                raise bad(name, f"not supported with inner_optimizer='adafactor' ({why})")
+        if self.state_offload != "none":
+            raise bad("state_offload", "not supported with inner_optimizer='adafactor' (AdamW's offload; the "
+                      "factored state of a factor is m + r values)")  # fmt: skip
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -439,6 +497,8 @@ class GaLoreConfig:
         ``galore_adamw_8bit``: 8-bit blockwise Adam state.
         ``qgalore_adamw_8bit``: 8-bit state, INT8 W0 with stochastic rounding, INT4 basis, lazy refresh
         (Q-GaLore, Zhang et al. 2024).
+        ``galore_adafactor``: Adafactor on the factors and the other parameters (factored second moment:
+        ``inner_optimizer='adafactor'``), as transformers' ``galore_adafactor``.
         """
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
@@ -469,6 +529,7 @@ def kept_on_resume(changed: dict[str, tuple[Any, Any]], current: GaLoreConfig) -
 PRESETS: dict[str, dict[str, Any]] = {
     "galore_adamw": {},
     "galore_adamw_8bit": {"state_bits": 8},
+    "galore_adafactor": {"inner_optimizer": "adafactor"},
     "qgalore_adamw_8bit": {
         "state_bits": 8,
         "weight_storage": "int8",

@@ -16,6 +16,7 @@ __all__ = [
     "EngineCapabilities",
     "CAPABILITIES",
     "UnsupportedByEngine",
+    "check_inner_optimizer",
     "check_moment_handling",
     "check_residual",
     "check_state_offload",
@@ -163,4 +164,24 @@ def check_state_offload(engine: str, *, state_offload: str) -> None:
     raise UnsupportedByEngine(
         f"state_offload={state_offload!r} is not supported under {caps.label}: {caps.state_offload_reason}. "
         f"Use state_offload='none' with {caps.state_offload_alternative}."
+    )
+
+
+# Inner optimizers other than AdamW run where the optimizer holds each factor whole (one process, DDP).
+_WHOLE_FACTOR_ENGINES = ("single", "ddp")
+
+
+def check_inner_optimizer(engine: str, *, inner_optimizer: str) -> None:
+    """Raise :class:`UnsupportedByEngine` when `engine` cannot run `inner_optimizer` on the GaLore factors:
+    Adafactor factors its second moment over the rows and columns of the whole factor, which FSDP1 and ZeRO
+    hold as 1-D flat partitions and FSDP2 as row shards (and ZeRO steps its own partitions)."""
+    if engine not in CAPABILITIES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    if inner_optimizer == "adamw" or engine in _WHOLE_FACTOR_ENGINES:
+        return
+    raise UnsupportedByEngine(
+        f"inner_optimizer={inner_optimizer!r} (galore_{inner_optimizer}) is not supported under "
+        f"{CAPABILITIES[engine].label}: its factored second moment needs each GaLore factor whole and 2-D, which "
+        f"{CAPABILITIES[engine].label} partitions. Use galore_adamw (inner_optimizer='adamw') there, or train in "
+        "one process or under DDP."
     )
