@@ -17,5 +17,9 @@ def galore_adamw_8bit() -> GaLoreConfig:
     return GaLoreConfig.preset("galore_adamw_8bit")
 
 
+def galore_adafactor() -> GaLoreConfig:
+    return GaLoreConfig.preset("galore_adafactor")
+
+
 def qgalore_adamw_8bit() -> GaLoreConfig:
     return GaLoreConfig.preset("qgalore_adamw_8bit")

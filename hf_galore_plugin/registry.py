@@ -31,6 +31,9 @@ __all__ = [
 LAYERWISE_ALIASES = {
     "galore_adamw_layerwise": "galore_adamw",
     "galore_adamw_8bit_layerwise": "galore_adamw_8bit",
+    # transformers passes galore_adafactor_layerwise Adafactor's own defaults (relative_step=True) together with
+    # its lr, which Adafactor refuses; served as galore_adafactor (lr-driven, as transformers' galore_adafactor).
+    "galore_adafactor_layerwise": "galore_adafactor",
 }
 
 

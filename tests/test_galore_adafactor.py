@@ -297,3 +297,28 @@ def test_optimizer_state_round_trip_resumes_exactly(tiny_llama):
 def test_adamw_is_still_the_default(tiny_llama):
     model = prepare_model(tiny_llama(vocab_size=96), GaLoreConfig(rank=16))
     assert isinstance(create_optimizer(model, lr=1e-3), AdamW)
+
+
+def test_trainer_and_create_optimizer_refuse_partitioning_engines_by_name(tiny_llama):
+    from hf_galore_plugin.integrations.construction import check_training_args
+
+    adafactor = GaLoreConfig.preset("galore_adafactor")
+
+    class ZeRO:
+        deepspeed = {"zero_optimization": {"stage": 2}}
+        fsdp = None
+
+    class FSDP:
+        deepspeed = None
+        fsdp = ["full_shard"]
+        fsdp_config = {"fsdp_version": 2}
+
+    with pytest.raises(UnsupportedByEngine, match="'adafactor'.*DeepSpeed ZeRO-2"):
+        check_training_args(ZeRO(), "galore_adafactor", adafactor)
+    with pytest.raises(UnsupportedByEngine, match="'adafactor'.*FSDP2"):
+        check_training_args(FSDP(), "galore_adafactor", adafactor)
+    check_training_args(ZeRO(), "galore_adamw", GaLoreConfig())  # AdamW runs there
+    model = prepare_model(tiny_llama(vocab_size=96), GaLoreConfig.preset("galore_adafactor", rank=16))
+    galore_layers(model)[0][1].galore_factor.ds_id = 0  # as ZeRO-3 marks a partitioned parameter
+    with pytest.raises(UnsupportedByEngine, match="ZeRO-3"):
+        create_optimizer(model, lr=1e-3)

@@ -56,9 +56,11 @@ def test_names_are_real_enum_members():
     assert served_optimizer_names() == {
         "galore_adamw": "takeover",
         "galore_adamw_8bit": "takeover",
+        "galore_adafactor": "takeover",
         "qgalore_adamw_8bit": "added",
         "galore_adamw_layerwise": "layerwise",
         "galore_adamw_8bit_layerwise": "layerwise",
+        "galore_adafactor_layerwise": "layerwise",
     }
     member = OptimizerNames("qgalore_adamw_8bit")
     assert member is OptimizerNames.QGALORE_ADAMW_8BIT is OptimizerNames["QGALORE_ADAMW_8BIT"]

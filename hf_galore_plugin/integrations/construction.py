@@ -14,6 +14,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 from ..config import GaLoreConfig
+from ..engines.capabilities import check_inner_optimizer
 from ..layers import GaLoreLinear
 from .chunked_loss import check_head_weight_readers, configure_trainer_loss
 from ..state import state_of
@@ -23,13 +24,24 @@ from .patching import mark
 __all__ = ["check_training_args", "wrap_init", "wrap_initialize_weights"]
 
 
-def check_training_args(args: Any, name: str) -> None:
+def check_training_args(args: Any, name: str, config: Optional[GaLoreConfig] = None) -> None:
     """Configurations that would silently train something else fail here, before the first step."""
     ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
     if ds_config is None and isinstance(getattr(args, "deepspeed", None), dict):
         ds_config = args.deepspeed
     if ds_config is None:
         ds_config = getattr(getattr(args, "deepspeed_plugin", None), "deepspeed_config", None)
+    if config is not None and config.inner_optimizer != "adamw":
+        # Refused by name before any engine partitions the factors (ZeRO-1/2 would otherwise hand the optimizer
+        # flat partitions only at its first step; FSDP wraps before the optimizer is built).
+        zero_stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0) if isinstance(ds_config, dict) else 0
+        if ds_config is not None:
+            check_inner_optimizer(f"zero{zero_stage}" if zero_stage in (1, 2, 3) else "zero1",
+                                  inner_optimizer=config.inner_optimizer)  # fmt: skip
+        fsdp = getattr(args, "fsdp", None)
+        if fsdp:
+            version = (getattr(args, "fsdp_config", None) or {}).get("fsdp_version", 1)
+            check_inner_optimizer("fsdp2" if str(version) == "2" else "fsdp1", inner_optimizer=config.inner_optimizer)
     if isinstance(ds_config, dict) and "optimizer" in ds_config:
         raise ValueError(
             f"optim={name!r}: the DeepSpeed config has an 'optimizer' block "
@@ -60,7 +72,7 @@ def wrap_init(original: Callable) -> Callable:
             _bind_callbacks(self)
             return
         config = galore_config_for(training_args, name)
-        check_training_args(training_args, name)
+        check_training_args(training_args, name, config)
         if bound.arguments.get("model") is not None:
             prepare_model_for_trainer(bound.arguments["model"], config, name)
         elif bound.arguments.get("model_init") is not None:
