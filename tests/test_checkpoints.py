@@ -186,7 +186,12 @@ def test_changed_optimizer_name_is_refused(run_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "first, then", [("galore_adamw", "galore_adamw_layerwise"), ("galore_adamw_layerwise", "galore_adamw")]
+    "first, then",
+    [
+        ("galore_adamw", "galore_adamw_layerwise"),
+        ("galore_adamw_layerwise", "galore_adamw"),
+        ("galore_adafactor_layerwise", "galore_adafactor"),
+    ],
 )
 def test_layerwise_name_resumes_a_checkpoint_of_the_name_it_runs_exactly(tmp_path, first, then):
     # transformers' layerwise names run the plugin's optimizer of the base name (registry.LAYERWISE_ALIASES):

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
         # the randomized range finder averages its sketches over the ranks, never the gradient (every
         # layer's sketches are smaller than its gradient at this rank: asserted in the worker)
         ("galore_adamw", "randomized"),
+        ("galore_adafactor", "svd"),  # Adafactor's factored moments: replicated like Adam's
     ],
 )
 def test_ddp_two_ranks_match_single_process(tmp_path, preset, basis_method):

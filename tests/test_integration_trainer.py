@@ -146,7 +146,7 @@ def test_explicit_callback_with_own_optimizer(tmp_path):
 
 
 # ---------------------------------------------------------------------- checkpoints
-@pytest.mark.parametrize("optim", ["galore_adamw", "qgalore_adamw_8bit"])
+@pytest.mark.parametrize("optim", ["galore_adamw", "qgalore_adamw_8bit", "galore_adafactor"])
 def test_resume_from_checkpoint_is_bit_exact(tmp_path, optim):
     def run(output_dir, resume=None):
         args = training_args(output_dir, optim=optim, max_steps=8, save_strategy="steps", save_steps=4)
