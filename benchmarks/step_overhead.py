@@ -24,9 +24,10 @@ Every step is an ordinary one (no basis refresh): the models are built with a re
 the run and stepped through their calibration before the timed rounds. With `--gap N` the layers refresh
 every N steps during the rounds too (the medians stay those of ordinary steps while fewer than half of the
 rounds refresh). With `--compile` every method also runs as `<method> compiled`: ``torch.compile(model)``
-(inductor) before its first step, so calibration and refreshes run compiled, with Dynamo's graphs and
-graph breaks counted over its whole run (a recompile-limit hit is an error) and its ratio to its own eager
-row; the optimizer step and after_step stay eager for every method alike.
+(inductor) before its first step, so calibration and refreshes run compiled, with the graphs and graph
+breaks Dynamo compiled during its run (a model of the same structure as an earlier row reuses that row's
+graphs; a recompile-limit hit is an error) and its ratio to its own eager row; the optimizer step and
+after_step stay eager for every method alike. tests/test_compile.py counts a whole run's graphs alone.
 
 Two reference rows, `floor_lowrank` and `floor_quantized` (benchmarks/_floor.py), are the least an eager
 PyTorch GaLore layer can do per step, plain and with the qgalore preset's quantized storage (the tensor
@@ -266,7 +267,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "syncs": None if mode is None else mode.syncs,
             "galore_layers": runner.galore_layers,
             "top_ops": None if mode is None else dict(mode.names.most_common(12)),
-            # compiled runners: Dynamo's graphs and breaks over the whole run, and the ratio to the eager row
+            # compiled runners: the graphs and breaks Dynamo compiled during their steps (Dynamo reuses a graph
+            # for a model of the same structure: a later identical model adds none), and the ratio to the eager row
             "graphs": runner.graphs if runner.compiled else None,
             "graph_breaks": runner.breaks if runner.compiled else None,
         }
@@ -301,10 +303,11 @@ def report(result: dict[str, Any]) -> str:
     compiled = result["compile"]
     if compiled:
         lines.append(
-            f"`<method>{COMPILED}`: torch.compile(model) (inductor) before step 0; graphs and breaks: Dynamo's, over "
-            "its whole run; ops and syncs: the eager row's"
+            f"`<method>{COMPILED}`: torch.compile(model) (inductor) before step 0; new graphs and breaks: Dynamo's, "
+            "compiled during its run (a model of the same structure reuses the graphs an earlier row compiled); "
+            "a recompile-limit hit would have stopped the run; ops and syncs: the eager row's"
         )
-    more = " graphs | graph breaks | vs own eager (CPU) |" if compiled else ""
+    more = " new graphs | graph breaks | vs own eager (CPU) |" if compiled else ""
     lines += [
         "",
         "| method | step, CPU ms | vs base (CPU) | vs base (wall) | aten ops / step | extra ops / GaLore layer "
