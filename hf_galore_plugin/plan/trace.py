@@ -282,7 +282,7 @@ def _setup(method: str, model: nn.Module, settings: Settings):
         warnings.filterwarnings("ignore", message="refresh_schedule='staggered'", category=UserWarning)
         prepare_model(model, config)
     optimizer = create_optimizer(model, config, lr=LR)
-    notes.append("traced: hf_galore_plugin layers and AdamW")
+    notes.append(f"traced: hf_galore_plugin layers and {type(optimizer).__name__}")
     if config.refresh_schedule != "staggered":
         return optimizer, (lambda: after_step(model, optimizer)), True, notes
     user = preset.replace(**{"rank": settings.rank, **settings.optim_args})
