@@ -210,7 +210,7 @@ class Adafactor(torch.optim.Optimizer):
                     row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
                     row.mul_(beta2t).add_(squared.mean(dim=-1), alpha=1.0 - beta2t)
                     col.mul_(beta2t).add_(squared.mean(dim=-2), alpha=1.0 - beta2t)
-                    update = grad.clone()  # BROKEN
+                    update = _inverse_sqrt_second_moment(row, col).mul_(grad)
                 else:
                     exp_avg_sq = state["exp_avg_sq"]
                     exp_avg_sq.mul_(beta2t).add_(squared, alpha=1.0 - beta2t)
