@@ -12,7 +12,9 @@ _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _venv="${HF_GALORE_VENV_457:-$_root/.venv-tf457}"
 _torch="${HF_GALORE_TORCH:-torch==2.13.0}"
 # The marker names what was installed: a venv made for an older list is completed on the next run.
-_marker="$_venv/.tf457_installed_v3"
+# The plugin's entry points (its optimizer names) come from its installed metadata: pyproject.toml's hash is
+# part of the marker, so a changed pyproject reinstalls the plugin into this venv.
+_marker="$_venv/.tf457_installed_v3_$(sha256sum "$_root/pyproject.toml" | cut -c1-12)"
 if [ ! -x "$_venv/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$_venv"
 fi
