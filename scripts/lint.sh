@@ -7,4 +7,5 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 python -m ruff --version
 python -m ruff check .
+python -m ruff format --check .
 python -m mypy

@@ -129,6 +129,7 @@ def test_galore_adafactor_tracks_galore_torch_within_2_percent(tiny_llama):
 
 def test_factor_state_is_a_tenth_of_galore_adamw(tiny_llama):
     """The optimizer state of the factors (bytes of their state tensors) after a refresh and some steps."""
+
     def factor_state_bytes(preset):
         model = prepare_model(tiny_llama(vocab_size=96), GaLoreConfig.preset(preset, rank=16, update_proj_gap=5))
         opt = create_optimizer(model, lr=1e-3)
@@ -218,7 +219,9 @@ def test_refresh_hands_adafactor_the_change(tiny_llama, monkeypatch, policy):
     afterwards is what the rule says (kept, gone, or moved)."""
     model = prepare_model(
         tiny_llama(vocab_size=96),
-        GaLoreConfig.preset("galore_adafactor", rank=16, update_proj_gap=3, moment_handling=policy, adafactor_beta1=0.9),
+        GaLoreConfig.preset(
+            "galore_adafactor", rank=16, update_proj_gap=3, moment_handling=policy, adafactor_beta1=0.9
+        ),
     )
     opt = create_optimizer(model, lr=1e-3)
     calls = []

@@ -45,7 +45,10 @@ def test_more_flips_than_allowed_fail_with_the_counts():
 
 
 def _one_step(qt):
-    return qt.dequantize(torch.float32).abs().view(-1, 256).amax(dim=1, keepdim=True).expand(-1, 256).reshape(64, 128) / 127
+    return (
+        qt.dequantize(torch.float32).abs().view(-1, 256).amax(dim=1, keepdim=True).expand(-1, 256).reshape(64, 128)
+        / 127
+    )
 
 
 def test_a_flip_with_drift_in_a_whole_column_is_accepted():

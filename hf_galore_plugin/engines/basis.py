@@ -112,7 +112,9 @@ class BasisChange:
             keep = 1 - self.experts.to(torch.float32).view(-1, *([1] * (value.dim() - 1)))
             return value * keep[rows]
         if rule not in (LINEAR, SQUARED):
-            raise ValueError(f"a state tensor follows a change of basis by the rule {LINEAR!r} or {SQUARED!r}, got {rule!r}")
+            raise ValueError(
+                f"a state tensor follows a change of basis by the rule {LINEAR!r} or {SQUARED!r}, got {rule!r}"
+            )
         if self.left is not None:
             t = self.left[rows] if self.per_expert else self.left
             value = (t if rule == LINEAR else t.square()).mT @ value

@@ -34,7 +34,9 @@ def check_training_args(args: Any, name: str, config: Optional[GaLoreConfig] = N
     if config is not None and config.inner_optimizer != "adamw":
         # Refused by name before any engine partitions the factors (ZeRO-1/2 would otherwise hand the optimizer
         # flat partitions only at its first step; FSDP wraps before the optimizer is built).
-        zero_stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0) if isinstance(ds_config, dict) else 0
+        zero_stage = (
+            (ds_config or {}).get("zero_optimization", {}).get("stage", 0) if isinstance(ds_config, dict) else 0
+        )
         if ds_config is not None:
             check_inner_optimizer(f"zero{zero_stage}" if zero_stage in (1, 2, 3) else "zero1",
                                   inner_optimizer=config.inner_optimizer)  # fmt: skip
