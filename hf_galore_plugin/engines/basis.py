@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -74,6 +74,17 @@ class BasisChange:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"a change of basis has the policy 'keep', 'reset' or 'project', got {self.policy!r}")
+
+    def for_state(self, reset_all: Callable[[], None]) -> Optional["BasisChange"]:
+        """What an optimizer's ``change_basis`` applies to its state tensors: None where there is nothing
+        ('keep'), or where the whole state restarts, which `reset_all` then does (the optimizer's own reset,
+        with its step count); else this change."""
+        if self.policy == "keep":
+            return None
+        if self.resets_all:
+            reset_all()
+            return None
+        return self
 
     @property
     def resets_all(self) -> bool:

@@ -151,11 +151,10 @@ class DeepSpeedGaLoreOptimizer:
         of some experts (moment_handling='reset' when some experts kept their basis) and a projection change the
         client optimizer's fp32 state in ZeRO's partitions, at once (a collective: every rank calls it), key by
         key by the client optimizer's state rules. moment_handling='project' is refused at construction."""
-        change = BasisChange(policy=policy, left=left, right=right, experts=experts)
-        if policy == "keep":
-            return
-        if change.resets_all:
-            self.reset_state(param)
+        change = BasisChange(policy=policy, left=left, right=right, experts=experts).for_state(
+            lambda: self.reset_state(param)
+        )
+        if change is None:
             return
         rules = state_rules(self.optimizer)
         values = self._full_state(param, list(rules))

@@ -260,11 +260,10 @@ class Adafactor(torch.optim.Optimizer):
         an old row, which (row / mean(row)) (x) col normalises anyway, but makes every refresh a cold start of
         that side (beta2_t stays near 1 at late steps, so a zero col would give huge updates until clipped).
         """
-        change = BasisChange(policy=policy, left=left, right=right, experts=experts)
-        if policy == "keep":
-            return
-        if change.resets_all:
-            self.reset_state(param)
+        change = BasisChange(policy=policy, left=left, right=right, experts=experts).for_state(
+            lambda: self.reset_state(param)
+        )
+        if change is None:
             return
         state = self.state.get(param)
         if not state:

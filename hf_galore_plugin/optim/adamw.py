@@ -598,11 +598,10 @@ class AdamW(torch.optim.Optimizer):
         runs on), 'project' moves the moments into the new coordinates: the first one exactly (T^T m, m T), the
         second through the elementwise square of T (T.square()^T v, v T.square()). 8-bit state is dequantized,
         changed and requantized (`transform_state`); no-op before the first step."""
-        change = BasisChange(policy=policy, left=left, right=right, experts=experts)
-        if policy == "keep":
-            return
-        if change.resets_all:
-            self.reset_state(param)
+        change = BasisChange(policy=policy, left=left, right=right, experts=experts).for_state(
+            lambda: self.reset_state(param)
+        )
+        if change is None:
             return
         self.transform_state(param, lambda m, v: (change.apply(m, LINEAR, param), change.apply(v, SQUARED, param)))
 
