@@ -26,6 +26,8 @@ _LAZY = {
     "galore_state_dict": ".api",
     "load_galore_state_dict": ".api",
     "galore_stats": ".api",
+    "rank_report": ".api",
+    "save_rank_report": ".api",
     "state_of": ".state",
     "GaLoreState": ".state",
     "enable_chunked_loss": ".loss",

@@ -13,7 +13,10 @@ model = merge_and_unload(model)    # plain nn.Linear layers, merged weights
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 import sys
 import warnings
 import weakref
@@ -24,16 +27,20 @@ from torch import nn
 
 from .config import GaLoreConfig
 from .engines.capabilities import check_inner_optimizer, check_moment_handling
-from .engines.collectives import is_dtensor
+from .engines.collectives import is_dtensor, world_size
 from .engines.contract import gathers_parameters, unwrap_optimizer
 from .engines.fsdp1 import check_fsdp1_layers, fsdp1_units, group_by_unit, had_gradient, summon_unit
 from .inject import galore_state_per_layer, iter_galore_layers, iter_galore_layers_by_key, replace_targets, unload
 from .layers import GaLoreLinear
 from .layers.experts import GaLoreExpertStack
+from .layers import rank as layer_rank
 from .layers.linear import scale_bases
 from .layers.schedule import StepClock
 from .loss import disable_chunked_loss, enable_chunked_loss
+from .ranks import LayerSpectrum, allocate_ranks, budget_values, captured_share
 from .state import forget_state, record_state, state_of
+
+_logger = logging.getLogger(__name__)
 
 __all__ = [
     "prepare_model",
@@ -47,6 +54,8 @@ __all__ = [
     "galore_state_dict",
     "load_galore_state_dict",
     "galore_stats",
+    "rank_report",
+    "save_rank_report",
 ]
 
 
@@ -65,6 +74,13 @@ def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
         if existing.config == config:
             return model
         raise ValueError("model was already prepared with a different GaLoreConfig; merge_and_unload(model) first")
+    if config.rank_allocation == "auto" and world_size() > 1:
+        raise ValueError(
+            f"GaLoreConfig.rank_allocation='auto' runs in one process, and this is one of {world_size()} ranks: the "
+            "layers' factors change shape when they take their ranks, which DDP's gradient buckets, FSDP's shards "
+            "and ZeRO's partitions cannot follow. Use rank_allocation='uniform' (an int rank) here, or allocate "
+            "in one process."
+        )
     if config.chunked_loss:
         # First: a model the chunked loss cannot serve is refused before any layer is replaced.
         enable_chunked_loss(model, chunk_tokens=config.chunked_loss_tokens)
@@ -434,6 +450,8 @@ def after_step(
             refreshed.append(name)
             if not math.isnan(similarity):
                 similarities.append(similarity)
+    if driver.allocating:
+        driver.allocating = _allocate_when_measured(layers)
     clock.step += 1
     recording = False
     for _, layer in layers:
@@ -462,10 +480,13 @@ class _Driver:
     """What :func:`after_step` keeps of a model between steps: its GaLore layers, the clock they share, and
     the clock step at which the next of them is due."""
 
-    __slots__ = ("clock", "edits", "generation", "layers", "next_due", "__weakref__")
+    __slots__ = ("allocating", "clock", "edits", "generation", "layers", "next_due", "__weakref__")
 
     def __init__(self, layers: list[tuple[str, GaLoreLinear]]) -> None:
         self.layers = layers
+        # rank_allocation='auto' and the ranks not allocated yet: after_step allocates once every layer measured
+        adaptive = [layer._adaptive for _, layer in layers if layer._adaptive is not None]
+        self.allocating = bool(adaptive) and not any(state.target for state in adaptive)
         self.generation = StepClock.generation
         self.clock = StepClock(shared=True)
         for _, layer in layers:
@@ -482,6 +503,121 @@ class _Driver:
             if due is not None:
                 soonest = min(soonest, clock.step + due - layer.counter("galore_step"))
         self.next_due, self.edits = soonest, clock.edits
+
+
+def _spectrum(layer: GaLoreLinear) -> LayerSpectrum:
+    state = layer._adaptive
+    assert state is not None
+    return LayerSpectrum(
+        energies=layer.galore_spectrum.tolist(),
+        total=float(layer.galore_spectrum_total),
+        cost=state.cost,
+        min_rank=state.low,
+        max_rank=state.high,
+    )
+
+
+def rank_budget(layers: list[tuple[str, GaLoreLinear]]) -> int:
+    """The factor values `layers` (the adaptive ones of a model) may hold together: GaLoreConfig.rank_budget, or
+    the values of their starting (uniform) ranks."""
+    adaptive = [(layer, layer._adaptive) for _, layer in layers if layer._adaptive is not None]
+    if not adaptive:
+        return 0
+    config = adaptive[0][0].config
+    if config.rank_budget is None:
+        return sum(state.cost * state.start for _, state in adaptive)
+    return budget_values(config.rank_budget, element_size=adaptive[0][0].galore_factor.element_size())
+
+
+def _allocate_when_measured(layers: list[tuple[str, GaLoreLinear]]) -> bool:
+    """Allocate the adaptive layers' ranks once each has measured its spectrum (one sync: the spectra are read);
+    returns whether the allocation is still to come."""
+    adaptive = [(name, layer) for name, layer in layers if layer._adaptive is not None]
+    if not all(layer._adaptive.measured for _, layer in adaptive):  # type: ignore[union-attr]
+        return True
+    spectra = {name: _spectrum(layer) for name, layer in adaptive}
+    budget = rank_budget(layers)
+    ranks = allocate_ranks(spectra, budget)
+    for name, layer in adaptive:
+        layer_rank.set_target(layer, ranks[name])
+    report = rank_report(layers)
+    values = sorted(ranks.values())
+    uniform = sum(row["share_at_start"] for row in report) / len(report)
+    chosen = sum(row["share"] for row in report) / len(report)
+    spent = sum(row["factor_values"] for row in report)
+    _logger.warning(
+        f"GaLore rank_allocation='auto': ranks of {len(ranks)} layers from their calibration gradients, "
+        f"{values[0]}..{values[-1]} (median {values[len(values) // 2]}), {spent} of {budget} factor values; "
+        f"mean share of gradient energy captured {chosen:.3f} (at the starting ranks {uniform:.3f}). Each layer "
+        "takes its rank at its next refresh; save_rank_report(model, folder) writes the table and a plot."
+    )
+    return False
+
+
+def rank_report(model_or_layers: Any) -> list[dict[str, Any]]:
+    """Per adaptive layer (rank_allocation='auto'): its name, starting, current and allocated rank, bounds, the
+    share of its calibration gradient's energy the allocated and the starting ranks capture, and the factor
+    values and bytes of the allocated rank. Empty before the spectra are measured (and without 'auto')."""
+    layers = model_or_layers if isinstance(model_or_layers, list) else list(iter_galore_layers(model_or_layers))
+    rows = []
+    for index, (name, layer) in enumerate(layers):
+        state = layer._adaptive
+        if state is None or not state.measured:
+            continue
+        spectrum = _spectrum(layer)
+        rank = state.target or layer_rank.current_rank(layer)
+        rows.append(
+            {
+                "layer": name,
+                "index": index,
+                "shape": [layer.out_features, layer.in_features],
+                "start_rank": state.start,
+                "rank": rank,
+                "current_rank": layer_rank.current_rank(layer),
+                "min_rank": state.low,
+                "max_rank": state.high,
+                "share": captured_share(spectrum, rank),
+                "share_at_start": captured_share(spectrum, min(state.start, state.high)),
+                "factor_values": state.cost * rank,
+                "factor_bytes": state.cost * rank * layer.galore_factor.element_size(),
+            }
+        )
+    return rows
+
+
+def save_rank_report(model: nn.Module, folder: str) -> Optional[str]:
+    """Write :func:`rank_report` to ``folder/galore_ranks.json`` and, where matplotlib is installed, a plot of the
+    rank per layer by depth to ``galore_ranks.png``. Returns the JSON path (None: no ranks allocated yet)."""
+    rows = rank_report(model)
+    if not rows:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "galore_ranks.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return path
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    kinds = sorted({row["layer"].rsplit(".", 1)[-1] for row in rows})
+    for kind in kinds:
+        mine = [row for row in rows if row["layer"].rsplit(".", 1)[-1] == kind]
+        ax.plot([row["index"] for row in mine], [row["rank"] for row in mine], marker="o", ms=3, label=kind)
+    ax.axhline(rows[0]["start_rank"], color="grey", lw=0.8, ls="--", label="uniform rank")
+    ax.set_xlabel("GaLore layer (by depth)")
+    ax.set_ylabel("rank")
+    ax.set_title("rank_allocation='auto': rank per layer")
+    ax.legend(fontsize=7, ncol=min(len(kinds) + 1, 4))
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "galore_ranks.png"), dpi=110)
+    plt.close(fig)
+    return path
 
 
 # model -> its _Driver; weak, so a dropped model takes its entry with it. Rebuilt when a GaLore layer was

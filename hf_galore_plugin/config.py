@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
 __all__ = [
+    "AUTO_RANK",
     "AUTO_SCALE",
     "GaLoreConfig",
     "PRESETS",
@@ -35,7 +36,7 @@ WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
 STATE_OFFLOAD = ("none", "cpu")
 INNER_OPTIMIZERS = ("adamw", "adafactor")
-_OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size", "chunked_loss_tokens")
+_OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size", "chunked_loss_tokens", "rank_min", "rank_max")
 # Step counts and sizes go into int64 counter buffers (a lazily grown gap is a product of them): any
 # value this large is a typo, refused before it overflows somewhere that cannot name the field.
 _INT_LIMIT = 2**31
@@ -46,6 +47,10 @@ _SEED_LIMIT = 2**22
 _EXPERT_RANK = 16
 # GaLoreConfig.scale's default: each layer's norm-matched scale (GaLoreConfig.layer_scale).
 AUTO_SCALE = "auto"
+# GaLoreConfig.rank='auto' and rank_allocation='auto': ranks chosen per layer (hf_galore_plugin.ranks).
+AUTO_RANK = "auto"
+RANK_ALLOCATIONS = ("uniform", AUTO_RANK)
+_DEFAULT_RANK = 128
 # The GaLore paper's refresh: every layer records its dense gradient on the same steps and takes the
 # exact SVD. The defaults bound a refresh step's memory instead (staggered phases, sketched bases); pass
 # it to reproduce the paper or a run made with these settings (GaLoreConfig.preset(name, **PAPER_REFRESH)).
@@ -60,7 +65,34 @@ def _help(text: str, **kw: Any):
 class GaLoreConfig:
     """Settings of one GaLore method. Build with ``GaLoreConfig(...)`` or ``GaLoreConfig.preset(name)``."""
 
-    rank: int = _help("Rank r of the projection basis (GaLore paper: 128 for 60M-350M, 512 for 1B+).", default=128)
+    rank: Union[int, str] = _help(
+        "Rank r of the projection basis (GaLore paper: 128 for 60M-350M, 512 for 1B+). 'auto': "
+        "rank_allocation='auto' at the default rank 128 (every layer's rank from its gradient, within the budget "
+        "of rank 128 for every layer).",
+        default=128,
+    )
+    rank_allocation: str = _help(
+        "'uniform' (default): every targeted layer at `rank`. 'auto': each layer's rank chosen from the spectrum "
+        "of its calibration gradient, so that the layers' subspaces capture the most gradient energy within "
+        "rank_budget (default: the factor values of `rank` in every layer, so memory is what the uniform rank "
+        "plans); layers start at `rank` and take their own at their next refresh after every layer has "
+        "calibrated. One process only (the factors change shape); expert stacks keep expert_rank.",
+        default="uniform",
+    )
+    rank_budget: Optional[Union[int, str]] = _help(
+        "rank_allocation='auto' only: the factor values all targeted layers may hold together, an int, or a "
+        "size with a unit ('512MiB', '2GB': bytes of factors in the model's dtype). None (default): the values "
+        "of `rank` in every layer.",
+        default=None,
+    )
+    rank_min: Optional[int] = _help(
+        "rank_allocation='auto' only: the smallest rank a layer gets (None: rank // 4, at least 1).", default=None
+    )
+    rank_max: Optional[int] = _help(
+        "rank_allocation='auto' only: the largest rank a layer gets (None: 2 * rank; at most the layer's projected "
+        "side minus one). The calibration sketch of each layer is this wide.",
+        default=None,
+    )
     update_proj_gap: int = _help(
         "Optimizer steps between basis refreshes (GaLore paper: 200). With lazy refresh this is the starting gap.",
         default=200,
@@ -260,6 +292,9 @@ class GaLoreConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.rank == AUTO_RANK:
+            # rank='auto' spells the allocation at the default rank, whose budget it keeps
+            self.rank, self.rank_allocation = _DEFAULT_RANK, AUTO_RANK
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -267,6 +302,8 @@ class GaLoreConfig:
         def bad(name: str, fix: str) -> ValueError:
             return ValueError(f"GaLoreConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
 
+        if isinstance(self.rank, str):
+            raise bad("rank", f"use a positive int (e.g. rank=128) or {AUTO_RANK!r} (each layer's rank from its gradient)")
         for name in (
             "rank",
             "update_proj_gap",
@@ -282,6 +319,8 @@ class GaLoreConfig:
             "basis_group_size",
             "chunked_loss_tokens",
             "expert_rank",
+            "rank_min",
+            "rank_max",
         ):
             value = getattr(self, name)
             if value is None and name in _OPTIONAL_INTS:
@@ -305,6 +344,7 @@ class GaLoreConfig:
                 raise bad(name, "use a finite number")
         if self.rank < 1:
             raise bad("rank", "use a positive rank, e.g. rank=128")
+        self._validate_rank_allocation(bad)
         if self.update_proj_gap < 1:
             raise bad("update_proj_gap", "use a positive number of steps, e.g. update_proj_gap=200")
         if not isinstance(self.scale, str) and not self.scale > 0:
@@ -424,21 +464,61 @@ class GaLoreConfig:
         if self.inner_optimizer != "adafactor":
             for name in ("adafactor_beta1", "adafactor_clip_threshold", "adafactor_decay_rate"):
                 if getattr(self, name) != defaults[name]:
-                    raise bad(name, "it is an option of Adafactor: set inner_optimizer='adafactor' (the "
-                              "galore_adafactor preset), or drop it")  # fmt: skip
+                    raise bad(name, f"it is an option of {owner.capitalize()}: set inner_optimizer={owner!r} (the "
+                              f"galore_{owner} preset), or drop it")  # fmt: skip
+        if self.inner_optimizer == "adamw":
             return
+        label = self.inner_optimizer.capitalize()
+        state = "fp32 statistics" if self.inner_optimizer == "adafactor" else "an fp32 momentum"
         for name, why in (
-            ("state_bits", "Adafactor keeps fp32 statistics: use state_bits=32"),
+            ("state_bits", f"{label} keeps {state}: use state_bits=32"),
             ("error_feedback", "it feeds back the 8-bit AdamW state's rounding: drop it"),
             ("residual", "Fira's residual needs each factor's Adam update: use inner_optimizer='adamw'"),
         ):
             if getattr(self, name) != defaults[name]:
-                raise bad(name, f"not supported with inner_optimizer='adafactor' ({why})")
+                raise bad(name, f"not supported with inner_optimizer={self.inner_optimizer!r} ({why})")
         if self.state_offload != "none":
-            raise bad("state_offload", "not supported with inner_optimizer='adafactor' (AdamW's offload; the "
-                      "factored state of a factor is m + r values)")  # fmt: skip
+            size = "m + r values" if self.inner_optimizer == "adafactor" else "one m x r momentum"
+            raise bad("state_offload", f"not supported with inner_optimizer={self.inner_optimizer!r} (AdamW's "
+                      f"offload; the state of a factor is {size})")  # fmt: skip
+
+    def _validate_rank_allocation(self, bad) -> None:
+        if self.rank_allocation not in RANK_ALLOCATIONS:
+            raise bad("rank_allocation", f"choose one of {list(RANK_ALLOCATIONS)}")
+        options = ("rank_budget", "rank_min", "rank_max")
+        if self.rank_allocation == "uniform":
+            for name in options:
+                if getattr(self, name) is not None:
+                    raise bad(name, "it is an option of rank_allocation='auto' (rank='auto'): set it, or drop " + name)
+            return
+        if self.proj_type == "full":
+            raise bad("rank_allocation", "'auto' allocates one-sided bases; use proj_type='std' (the default)")
+        if self.residual:
+            raise bad("rank_allocation", "'auto' is not supported with residual=True; use one of them")
+        budget = self.rank_budget
+        if budget is not None:
+            from .ranks import budget_values  # a leaf module: the size parser lives with the allocator
+
+            try:
+                values = budget_values(budget, element_size=1)
+            except ValueError as exc:
+                raise bad("rank_budget", str(exc)) from None
+            if values < 1:
+                raise bad("rank_budget", "use a positive number of factor values or a size such as '512MiB'")
+        low, high = self.effective_rank_bounds
+        if low < 1:
+            raise bad("rank_min", "use a positive rank")
+        if high < low:
+            raise bad("rank_max", f"use a rank at least rank_min ({low})")
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def effective_rank_bounds(self) -> tuple[int, int]:
+        """rank_allocation='auto': the (min, max) rank of a layer before its own side caps it."""
+        low = self.rank_min if self.rank_min is not None else max(1, self.rank // 4)
+        high = self.rank_max if self.rank_max is not None else 2 * self.rank
+        return low, high
+
     @property
     def effective_max_proj_gap(self) -> int:
         return self.max_proj_gap if self.max_proj_gap is not None else 8 * self.update_proj_gap

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # unit -> the units it may import (docs/architecture.md, "Layers"). Bottom to top.
 ALLOWED: dict[str, set[str]] = {
     "utils": set(),
-    "config": set(),
+    "ranks": set(),
+    "config": {"ranks"},
     "state": {"config"},
     "codes": set(),
     "projection": set(),
@@ -32,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "optim": {"utils", "codes", "kernels", "quant", "engines"},
     "presets": {"config"},
     "registry": {"config"},
-    "api": {"utils", "config", "state", "projection", "loss", "quant", "engines", "layers", "inject", "optim"},
+    "api": {"utils", "config", "ranks", "state", "projection", "loss", "quant", "engines", "layers", "inject", "optim"},
     "checkpoint": {"config", "state", "layers", "inject"},
     "integrations": {
         "checkpoint",
@@ -51,6 +52,7 @@ ALLOWED: dict[str, set[str]] = {
         "presets",
         "registry",
         "api",
+        "ranks",
     },
     # The memory planner is a tool on top of everything: it traces real transformers models through the
     # public API and parses --optim-args exactly as the Trainer integration does.
@@ -72,6 +74,7 @@ ALLOWED: dict[str, set[str]] = {
         "checkpoint",
         "state",
         "integrations",
+        "ranks",
     },
     "__main__": {"integrations", "config", "registry", "presets"},
 }
@@ -82,8 +85,9 @@ LAYERS_MODULES: dict[str, set[str]] = {
     "storage": {"quant", "utils"},
     "function": set(),
     "schedule": set(),
-    "refresh": {"storage", "engines", "projection", "config"},
-    "linear": {"storage", "function", "schedule", "refresh", "config", "engines", "projection"},
+    "rank": {"config"},
+    "refresh": {"storage", "rank", "engines", "projection", "config"},
+    "linear": {"storage", "function", "schedule", "rank", "refresh", "config", "engines", "projection"},
     "experts": {"storage", "function", "refresh", "linear", "config", "engines", "projection"},
     "": {"storage", "function", "schedule", "refresh", "linear"},
 }

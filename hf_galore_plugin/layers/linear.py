@@ -51,6 +51,7 @@ from ..engines.collectives import (
 )
 from ..engines.contract import observe_updates, update_observer
 from ..projection import resolve_sides
+from . import rank as _rank_mod
 from . import refresh as _refresh_mod
 from . import schedule as _schedule
 from .function import galore_linear, register_recorder
@@ -173,6 +174,8 @@ class GaLoreLinear(nn.Module):
     _residual_side: Optional[str] = None
     # Whether a step of the factor has been observed since the first basis (the ratio to lag exists).
     _residual_ready = False
+    # rank_allocation='auto': the layer's rank state (layers/rank.py); None: the rank is fixed.
+    _adaptive: Optional[_rank_mod.AdaptiveRank] = None
 
     def __init__(self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0) -> None:
         super().__init__()
@@ -202,6 +205,7 @@ class GaLoreLinear(nn.Module):
 
         self._init_step_state(config, layer_index, device, base_is_meta=weight.is_meta)
         self._init_residual(config, device)
+        _rank_mod.init_adaptive(self, config, self._basis_sides(), device)
 
     def _init_storage(self, config: GaLoreConfig, weight: torch.Tensor, device: torch.device) -> None:
         """W0 and the bases' storage, for a weight of this layer's shape (an expert stack's: E stacked maps)."""
@@ -507,6 +511,7 @@ class GaLoreLinear(nn.Module):
         """Set the layer's own state (factor, bases, multiplier, counters, seed) to that of a new layer;
         W0 and the bias are left as they are (loaded weights). For a model prepared on the meta device
         and materialised with ``to_empty()``."""
+        _rank_mod.reset(self)
         self.galore_factor.zero_()
         for side, dim, rank, identity in (
             ("left", self.out_features, self.left_rank, self.left_identity),
@@ -932,6 +937,8 @@ class GaLoreLinear(nn.Module):
         return sides
 
     def _sketch_width(self, rank: int) -> int:
+        if self._adaptive is not None:
+            rank = _rank_mod.record_rank(self, rank)  # the calibration's spectrum, or the rank to take
         return min(rank + self.config.oversampling, self.out_features, self.in_features)
 
     def recorded_nbytes(self) -> int:
@@ -1000,6 +1007,8 @@ class GaLoreLinear(nn.Module):
 
     # ------------------------------------------------------------------ state dict
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        if self._adaptive is not None:
+            _rank_mod.before_load(self, state_dict, prefix)  # the saved rank (rank_allocation='auto')
         # Quantized parts may change shape between save and load only if the config changed: make the
         # buffers match what is being loaded so a resume restores them bit-exactly.
         for name in list(self._buffers):
@@ -1023,6 +1032,7 @@ class GaLoreLinear(nn.Module):
         self._read_counter_buffers(loaded=True)
         self._pending_grad = None
         self._load_residual(state_dict, prefix, missing_keys, unexpected_keys)
+        _rank_mod.after_load(self)
 
     _RESIDUAL_BUFFERS = ("galore_residual_ratio", "galore_residual_rate", "galore_residual_norm")
 

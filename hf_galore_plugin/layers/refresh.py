@@ -29,6 +29,7 @@ from ..engines.collectives import world_size as _world_size
 from ..engines.contract import change_basis, gathered_parameters, param_changed
 from ..projection import BasisError, Reduce, basis_from_sketch, compute_basis, subspace_similarity, transport_matrix
 from ..config import GaLoreConfig
+from . import rank as _rank
 from .storage import stochastic_round_to_bf16
 
 __all__ = [
@@ -221,9 +222,12 @@ def _refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer]) -
         raise RuntimeError("GaLoreLinear.refresh() needs the gradient recorded during a refresh step's backward")
     if isinstance(grad, dict):
         # Streaming sketches: averaging them over the ranks is exact (they are linear in the gradient).
+        reduced = {side: _all_reduce_mean(grad[side]) for side, _ in layer._basis_sides()}
+        _rank.measure_spectrum(layer, reduced)
+        target = _rank.rank_to_adopt(layer)
         try:
             sketched = {
-                side: basis_from_sketch(_all_reduce_mean(grad[side]), rank=rank) for side, rank in layer._basis_sides()
+                side: basis_from_sketch(reduced[side], rank=target or rank) for side, rank in layer._basis_sides()
             }
         except BasisError as exc:
             _basis_failed(layer, exc)
@@ -241,6 +245,8 @@ def _refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer]) -
             sketch_reduce = _all_reduce_mean
     if sketch_reduce is None:
         grad = _all_reduce_mean(grad)
+        _rank.measure_spectrum(layer, grad)
+    target = _rank.rank_to_adopt(layer)
     new_bases: dict[str, torch.Tensor] = {}
     try:
         for side in ("left", "right"):
@@ -248,7 +254,7 @@ def _refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer]) -
             identity = layer.left_identity if side == "left" else layer.right_identity
             if rank is None or identity:
                 continue
-            new_bases[side] = basis_from_gradient(layer, grad, side, rank, reduce=sketch_reduce)
+            new_bases[side] = basis_from_gradient(layer, grad, side, target or rank, reduce=sketch_reduce)
     except BasisError as exc:
         _basis_failed(layer, exc)
         return None
@@ -270,10 +276,15 @@ def _basis(layer: RefreshTarget, side: str) -> torch.Tensor:
 def _install_bases(
     layer: RefreshTarget, new_bases: dict[str, torch.Tensor], optimizer: Optional[torch.optim.Optimizer]
 ) -> float:
-    """Fold the factor into W0, swap in `new_bases`, adapt the lazy gap and the optimizer state."""
+    """Fold the factor into W0, swap in `new_bases`, adapt the lazy gap and the optimizer state. Bases of another
+    rank (rank_allocation='auto') give the factor their shape, and its optimizer state restarts."""
     first = not layer.calibrated
     old_bases = {side: _basis(layer, side).clone() for side in new_bases}
     fold_factor_into_base(layer, optimizer)
+    resized = any(basis.shape[-1] != old_bases[side].shape[-1] for side, basis in new_bases.items())
+    if resized:
+        _rank.resize(layer, next(iter(new_bases.values())).shape[-1])
+        first = True  # no similarity between subspaces of different ranks; the state restarts
     for side, basis in new_bases.items():
         layer._set_basis(side, basis)
     stored = {side: _basis(layer, side) for side in new_bases}

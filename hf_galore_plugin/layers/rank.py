@@ -1,0 +1,184 @@
+"""A layer's own rank under ``GaLoreConfig.rank_allocation='auto'`` (the allocation: :mod:`hf_galore_plugin.ranks`).
+
+A layer with one computed basis (the default ``proj_type='std'``) is *adaptive*: it starts at the config's
+rank, and its first refresh (the calibration) measures the spectrum of the recorded gradient, as many singular
+values as its largest allowed rank (``rank_max``, capped at its projected side minus one); so that the
+calibration sketch holds them, an adaptive layer sketches ``rank_max + oversampling`` columns until then. Once
+every adaptive layer of the model has its spectrum, the step driver allocates the ranks (``api.after_step``)
+and gives each layer its target; a layer takes it at its next refresh, which already folds the factor into W0:
+the factor and the basis take the new shape there (the optimizer's state of the factor restarts, as at a
+calibration), and the record of that refresh is sketched wide enough for the new rank.
+
+State (buffers, so checkpoints carry it; registered on adaptive layers only): ``galore_spectrum`` (the measured
+squared singular values, NaN until measured), ``galore_spectrum_total`` (the gradient's whole energy) and
+``galore_rank_target`` (0 until allocated). The factor's shape is the rank: a load of a state with another rank
+reshapes the layer first (:func:`before_load`), so a resume continues at the saved ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from ..config import GaLoreConfig
+
+__all__ = ["AdaptiveRank", "init_adaptive", "measure_spectrum", "record_rank", "resize", "set_target"]
+
+
+class AdaptiveRank:
+    """The host side of one adaptive layer's rank state: its bounds and what the buffers hold (read at
+    construction and load, written with the buffers, so the driver reads no buffer)."""
+
+    __slots__ = ("side", "dim", "cost", "start", "low", "high", "measured", "target")
+
+    def __init__(self, side: str, dim: int, cost: int, start: int, low: int, high: int) -> None:
+        self.side, self.dim, self.cost = side, dim, cost
+        self.start, self.low, self.high = start, low, high
+        self.measured = False
+        self.target = 0
+
+
+def init_adaptive(layer: Any, config: GaLoreConfig, sides: list[tuple[str, int]], device: torch.device) -> None:
+    """Make `layer` adaptive when the config asks for it and the layer has exactly one computed basis
+    (`sides`: its (side, rank) list)."""
+    layer._adaptive = None
+    if config.rank_allocation != "auto" or len(sides) != 1:
+        return
+    side, start = sides[0]
+    dim = layer.in_features if side == "right" else layer.out_features
+    kept = layer.out_features if side == "right" else layer.in_features
+    low, high = config.effective_rank_bounds
+    high = min(high, dim - 1)
+    low = min(low, high)
+    layer._adaptive = AdaptiveRank(side, dim, kept, start, low, high)
+    layer.register_buffer("galore_spectrum", torch.full((high,), math.nan, dtype=torch.float32, device=device))
+    layer.register_buffer("galore_spectrum_total", torch.tensor(math.nan, dtype=torch.float32, device=device))
+    layer.register_buffer("galore_rank_target", torch.tensor(0, dtype=torch.int64, device=device))
+
+
+def current_rank(layer: Any) -> int:
+    state: AdaptiveRank = layer._adaptive
+    return layer.right_rank if state.side == "right" else layer.left_rank
+
+
+def record_rank(layer: Any, rank: int) -> int:
+    """The rank the next refresh record must serve: `rank` (the current), the largest one until the spectrum
+    is measured, the target once allocated."""
+    state: Optional[AdaptiveRank] = layer._adaptive
+    if state is None:
+        return rank
+    if not state.measured:
+        return max(rank, state.high)
+    return max(rank, state.target)
+
+
+@torch.no_grad()
+def measure_spectrum(layer: Any, record: Any) -> None:
+    """Keep the spectrum of the calibration record: a sketch Y = G^T Omega (Omega Gaussian with k columns, so
+    E ||Y||^2 = k ||G||^2 and the top singular values of Y / sqrt(k) estimate G's), or the dense gradient G
+    (exact singular values). Already averaged over data-parallel ranks."""
+    state: Optional[AdaptiveRank] = layer._adaptive
+    if state is None or state.measured:
+        return
+    if isinstance(record, dict):
+        sketch = record[state.side].to(torch.float32)
+        k = sketch.shape[1]
+        values = torch.linalg.svdvals(sketch).square() / k
+        total = sketch.square().sum() / k
+    else:
+        grad = record.to(torch.float32)
+        values = torch.linalg.svdvals(grad).square()
+        total = grad.square().sum()
+    spectrum = torch.zeros(state.high, dtype=torch.float32, device=values.device)
+    count = min(state.high, values.numel())
+    spectrum[:count] = values[:count]
+    layer.galore_spectrum.copy_(spectrum)
+    layer.galore_spectrum_total.copy_(total)
+    state.measured = True
+
+
+def set_target(layer: Any, rank: int) -> None:
+    """Give the layer the rank it takes at its next refresh (the allocator's)."""
+    state: AdaptiveRank = layer._adaptive
+    if not state.low <= rank <= state.high:
+        raise ValueError(f"rank {rank} is outside this layer's bounds [{state.low}, {state.high}]")
+    state.target = rank
+    layer.galore_rank_target.fill_(rank)
+
+
+def rank_to_adopt(layer: Any) -> Optional[int]:
+    """The rank this refresh gives the layer where it differs from the current one (None: keep)."""
+    state: Optional[AdaptiveRank] = layer._adaptive
+    if state is None or not state.target or state.target == current_rank(layer):
+        return None
+    return state.target
+
+
+@torch.no_grad()
+def resize(layer: Any, rank: int) -> None:
+    """Give the layer rank `rank`: a zero factor and a zero basis of the new shape and the scale of the new
+    rank. The caller folds the factor into W0 first (a refresh) or loads values after (a load)."""
+    state: AdaptiveRank = layer._adaptive
+    if state.side == "right":
+        layer.right_rank = rank
+    else:
+        layer.left_rank = rank
+    factor = layer.galore_factor
+    shape = (layer.left_rank or layer.out_features, layer.right_rank or layer.in_features)
+    # The same Parameter object with new contents (an optimizer's param groups hold it): swapped rather than
+    # `.data` reassigned, because a graph still alive from the last step (a loss variable a loop keeps) holds
+    # the factor's gradient accumulator, which checks gradients against the shape it was created with.
+    fresh = torch.nn.Parameter(
+        torch.zeros(shape, dtype=factor.dtype, device=factor.device), requires_grad=factor.requires_grad
+    )
+    fresh.__dict__.update(factor.__dict__)
+    factor.grad = None
+    torch.utils.swap_tensors(factor, fresh)
+    layer.scale = layer.config.layer_scale([(state.dim, rank)])
+    if layer._folded_side is not None:
+        layer.galore_folded_scale.fill_(layer.scale)
+    layer._set_basis(state.side, torch.zeros(layer._basis_shape(state.dim, rank), device=factor.device))
+
+
+def before_load(layer: Any, state_dict: dict[str, Any], prefix: str) -> None:
+    """Take the rank of the factor being loaded (a checkpoint of a run whose allocation changed it)."""
+    state: Optional[AdaptiveRank] = layer._adaptive
+    saved = state_dict.get(prefix + "galore_factor") if state is not None else None
+    if saved is None or tuple(saved.shape) == tuple(layer.galore_factor.shape) or saved.dim() != 2:
+        return
+    rank = saved.shape[1] if state.side == "right" else saved.shape[0]
+    if not 1 <= rank <= state.high:
+        return  # not a rank this layer can take: the load reports the size mismatch
+    resize(layer, rank)
+
+
+def after_load(layer: Any) -> None:
+    """Re-read the host copies from the loaded buffers (a load syncs anyway)."""
+    state: Optional[AdaptiveRank] = layer._adaptive
+    if state is None:
+        return
+    spectrum, target = layer.galore_spectrum, layer.galore_rank_target
+    if spectrum.is_meta or target.is_meta or _fake(spectrum):
+        return
+    state.measured = not bool(torch.isnan(spectrum[0]))
+    state.target = int(target)
+
+
+def reset(layer: Any) -> None:
+    """A new layer's rank state (``reset_galore_state``): the starting rank, nothing measured or allocated."""
+    state: Optional[AdaptiveRank] = layer._adaptive
+    if state is None:
+        return
+    if current_rank(layer) != state.start:
+        resize(layer, state.start)
+    layer.galore_spectrum.fill_(math.nan)
+    layer.galore_spectrum_total.fill_(math.nan)
+    layer.galore_rank_target.zero_()
+    state.measured, state.target = False, 0
+
+
+def _fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
