@@ -317,6 +317,7 @@ def create_optimizer(
     # FSDP1 (use_orig_params) and ZeRO-3 keep 1-D slices of the factor; their refreshes gather it
     # (engines.fsdp1, DeepSpeedGaLoreOptimizer). Anything else must hold the 2-D factor.
     fsdp1_managed = check_fsdp1_layers(galore_layers(model), fsdp1_units(model))
+    _check_rank_budget(galore_layers(model))
     _initialise_materialised_layers(model, fsdp1_managed)
     if config.inner_optimizer != "adamw":
         engine = "fsdp1" if fsdp1_managed else None
@@ -412,7 +413,8 @@ def after_step(
     Under FSDP1 pass the wrapped model (or `model` and its wrapper as `root`): a refresh gathers the
     layers' FSDP units, one at a time. `progress`, if given, is called with each due layer's name once
     that layer is done (a progress bar over a long refresh).
-    Returns ``{"refreshed": [layer names], "similarity": mean similarity or None}``.
+    Returns ``{"refreshed": [layer names], "similarity": mean similarity or None, "ranks_allocated": whether
+    this step allocated the ranks of rank_allocation='auto'}``.
     """
     driver = _driver_of(model)
     clock = driver.clock
@@ -420,7 +422,7 @@ def after_step(
         # An ordinary step, followed by another: no layer is due now or at the next step (the earliest due
         # step is known), so nothing but the clock moves and every layer's refresh_due stays False.
         clock.step += 1
-        return {"refreshed": [], "similarity": None}
+        return {"refreshed": [], "similarity": None, "ranks_allocated": False}
     layers = driver.layers
     if layers and optimizer is not None:
         _warn_lr_scale_not_applied(layers[0][1].config, optimizer)
@@ -450,8 +452,10 @@ def after_step(
             refreshed.append(name)
             if not math.isnan(similarity):
                 similarities.append(similarity)
+    allocated = False
     if driver.allocating:
         driver.allocating = _allocate_when_measured(layers)
+        allocated = not driver.allocating
     clock.step += 1
     recording = False
     for _, layer in layers:
@@ -464,6 +468,7 @@ def after_step(
     return {
         "refreshed": refreshed,
         "similarity": sum(similarities) / len(similarities) if similarities else None,
+        "ranks_allocated": allocated,
     }
 
 
@@ -527,6 +532,18 @@ def rank_budget(layers: list[tuple[str, GaLoreLinear]]) -> int:
     if config.rank_budget is None:
         return sum(state.cost * state.start for _, state in adaptive)
     return budget_values(config.rank_budget, element_size=adaptive[0][0].galore_factor.element_size())
+
+
+def _check_rank_budget(layers: list[tuple[str, GaLoreLinear]]) -> None:
+    """Refuse, before training, a rank budget below what the adaptive layers' minimum ranks hold."""
+    states = [layer._adaptive for _, layer in layers if layer._adaptive is not None]
+    needed = sum(state.cost * state.low for state in states)
+    if states and rank_budget(layers) < needed:
+        raise ValueError(
+            f"GaLoreConfig.rank_budget: {rank_budget(layers)} factor values is below the {needed} values every "
+            f"layer's minimum rank needs (rank_min={layers[0][1].config.effective_rank_bounds[0]}); raise rank_budget "
+            "or lower rank_min"
+        )
 
 
 def _allocate_when_measured(layers: list[tuple[str, GaLoreLinear]]) -> bool:

@@ -42,7 +42,7 @@ from transformers import TrainerCallback
 # transformers' tqdm (tqdm is its dependency, not ours), which honours its disable_progress_bar() switch.
 from transformers.utils.logging import tqdm
 
-from ..api import LR_SCALED, after_step, galore_layers, galore_stats, refreshes_due
+from ..api import LR_SCALED, after_step, galore_layers, galore_stats, refreshes_due, save_rank_report
 from ..checkpoint.manifest import MANIFEST_NAME, read_manifest
 from ..checkpoint.state import GALORE_STATE_NAME
 from ..config import GaLoreConfig
@@ -265,6 +265,9 @@ class GaLoreCallback(TrainerCallback):
         finally:
             bar.close()
         seconds = _clock() - started
+        if event.get("ranks_allocated") and state.is_world_process_zero:
+            # rank_allocation='auto': the per-layer ranks, next to the run's checkpoints
+            save_rank_report(prepared, args.output_dir)
         if event["refreshed"]:
             self._refreshes_since_log.extend(event["refreshed"])
             self._refresh_seconds_since_log.append(seconds)
