@@ -36,7 +36,14 @@ WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
 STATE_OFFLOAD = ("none", "cpu")
 INNER_OPTIMIZERS = ("adamw", "adafactor")
-_OPTIONAL_INTS = ("max_proj_gap", "weight_group_size", "basis_group_size", "chunked_loss_tokens", "rank_min", "rank_max")
+_OPTIONAL_INTS = (
+    "max_proj_gap",
+    "weight_group_size",
+    "basis_group_size",
+    "chunked_loss_tokens",
+    "rank_min",
+    "rank_max",
+)
 # Step counts and sizes go into int64 counter buffers (a lazily grown gap is a product of them): any
 # value this large is a typo, refused before it overflows somewhere that cannot name the field.
 _INT_LIMIT = 2**31
@@ -65,7 +72,9 @@ def _help(text: str, **kw: Any):
 class GaLoreConfig:
     """Settings of one GaLore method. Build with ``GaLoreConfig(...)`` or ``GaLoreConfig.preset(name)``."""
 
-    rank: Union[int, str] = _help(
+    # Typed int: a config always holds one. 'auto' is a spelling __post_init__ turns into the default rank and
+    # rank_allocation='auto' (optim_args reads the field as int or str).
+    rank: int = _help(
         "Rank r of the projection basis (GaLore paper: 128 for 60M-350M, 512 for 1B+). 'auto': "
         "rank_allocation='auto' at the default rank 128 (every layer's rank from its gradient, within the budget "
         "of rank 128 for every layer).",
@@ -292,7 +301,7 @@ class GaLoreConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.rank == AUTO_RANK:
+        if self.rank == AUTO_RANK:  # the spelling 'auto' (see the field)
             # rank='auto' spells the allocation at the default rank, whose budget it keeps
             self.rank, self.rank_allocation = _DEFAULT_RANK, AUTO_RANK
         self.validate()
@@ -303,7 +312,9 @@ class GaLoreConfig:
             return ValueError(f"GaLoreConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
 
         if isinstance(self.rank, str):
-            raise bad("rank", f"use a positive int (e.g. rank=128) or {AUTO_RANK!r} (each layer's rank from its gradient)")
+            raise bad(
+                "rank", f"use a positive int (e.g. rank=128) or {AUTO_RANK!r} (each layer's rank from its gradient)"
+            )
         for name in (
             "rank",
             "update_proj_gap",

@@ -135,7 +135,9 @@ def test_sketched_spectra_allocate_as_the_exact_ones():
     for name, layer in layers:
         values = torch.linalg.svdvals(plain.get_submodule(name).weight.grad).square()
         state = layer._adaptive
-        exact[name] = LayerSpectrum(values[: state.high].tolist(), float(values.sum()), state.cost, state.low, state.high)
+        exact[name] = LayerSpectrum(
+            values[: state.high].tolist(), float(values.sum()), state.cost, state.low, state.high
+        )
         sketched[name] = api._spectrum(layer)
         # the sketch's whole energy is an unbiased estimate of the gradient's (E ||G^T Omega||^2 = k ||G||^2)
         assert abs(sketched[name].total / exact[name].total - 1) < 0.35, name

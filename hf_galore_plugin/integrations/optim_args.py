@@ -62,7 +62,9 @@ def _split_pairs(optim_args: str) -> list[tuple[str, str]]:
 
 
 def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(GaLoreConfig)
+    types_ = typing.get_type_hints(GaLoreConfig)
+    types_["rank"] = Union[int, str]  # GaLoreConfig.rank also takes 'auto' (rank_allocation='auto' at rank 128)
+    return types_
 
 
 def _accepted(field_type: Any) -> str:

@@ -169,6 +169,11 @@ class GaLoreLinear(nn.Module):
     galore_residual_ratio: torch.Tensor
     galore_residual_rate: torch.Tensor
     galore_residual_norm: torch.Tensor
+    # rank_allocation='auto' (layers/rank.py): the calibration gradient's squared singular values and whole
+    # energy, and the rank the allocator gave the layer (0: none yet). Registered on adaptive layers only.
+    galore_spectrum: torch.Tensor
+    galore_spectrum_total: torch.Tensor
+    galore_rank_target: torch.Tensor
     # The basis side the residual is taken against; None: no residual (off, or no computed basis, where it is
     # zero). Class defaults, so a layer kind that does not set up the residual (expert stacks) has none.
     _residual_side: Optional[str] = None

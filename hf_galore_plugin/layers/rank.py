@@ -144,7 +144,9 @@ def resize(layer: Any, rank: int) -> None:
 def before_load(layer: Any, state_dict: dict[str, Any], prefix: str) -> None:
     """Take the rank of the factor being loaded (a checkpoint of a run whose allocation changed it)."""
     state: Optional[AdaptiveRank] = layer._adaptive
-    saved = state_dict.get(prefix + "galore_factor") if state is not None else None
+    if state is None:
+        return
+    saved = state_dict.get(prefix + "galore_factor")
     if saved is None or tuple(saved.shape) == tuple(layer.galore_factor.shape) or saved.dim() != 2:
         return
     rank = saved.shape[1] if state.side == "right" else saved.shape[0]
