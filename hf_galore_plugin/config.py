@@ -85,7 +85,9 @@ class GaLoreConfig:
         "of its calibration gradient, so that the layers' subspaces capture the most gradient energy within "
         "rank_budget (default: the factor values of `rank` in every layer, so memory is what the uniform rank "
         "plans); layers start at `rank` and take their own at their next refresh after every layer has "
-        "calibrated. One process only (the factors change shape); expert stacks keep expert_rank.",
+        "calibrated. One process only (the factors change shape); expert stacks keep expert_rank. A path to a "
+        "'.json' file: the ranks that file holds, fixed from the start (the galore_ranks.json an 'auto' run writes "
+        "(save_rank_report), or {layer name: rank}); every engine runs them.",
         default="uniform",
     )
     rank_budget: Optional[Union[int, str]] = _help(
@@ -494,10 +496,15 @@ class GaLoreConfig:
                       f"offload; the state of a factor is {size})")  # fmt: skip
 
     def _validate_rank_allocation(self, bad) -> None:
-        if self.rank_allocation not in RANK_ALLOCATIONS:
-            raise bad("rank_allocation", f"choose one of {list(RANK_ALLOCATIONS)}")
+        fixed = isinstance(self.rank_allocation, str) and self.rank_allocation.endswith(".json")
+        if self.rank_allocation not in RANK_ALLOCATIONS and not fixed:
+            raise bad(
+                "rank_allocation",
+                f"choose one of {list(RANK_ALLOCATIONS)}, or the path of a '.json' file of per-layer ranks "
+                "(galore_ranks.json of an 'auto' run)",
+            )
         options = ("rank_budget", "rank_min", "rank_max")
-        if self.rank_allocation == "uniform":
+        if self.rank_allocation != "auto":
             for name in options:
                 if getattr(self, name) is not None:
                     raise bad(name, "it is an option of rank_allocation='auto' (rank='auto'): set it, or drop " + name)

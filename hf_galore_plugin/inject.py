@@ -15,9 +15,10 @@ replaced by :class:`~hf_galore_plugin.layers.experts.GaLoreExperts`; routers sta
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Optional, Protocol, TypeVar
 from dataclasses import dataclass, field
 
 import torch
@@ -517,8 +518,46 @@ def _mark_initialized(original: nn.Module, replacement: nn.Module) -> None:
         object.__setattr__(replacement, "_is_hf_initialized", True)
 
 
-def _galore_linear(linear: nn.Linear, config: GaLoreConfig, layer_index: int) -> GaLoreLinear:
-    layer = GaLoreLinear(linear, config, layer_index=layer_index)
+def fixed_ranks(config: GaLoreConfig, names: list[str]) -> Optional[dict[str, int]]:
+    """The per-layer ranks of ``config.rank_allocation`` when it names a file (None otherwise): a list of rows
+    with 'layer' and 'rank' (``galore_ranks.json`` of an 'auto' run) or {layer name: rank}, holding exactly the
+    layers `names` (the targets)."""
+    path = config.rank_allocation
+    if path in ("uniform", "auto"):
+        return None
+    where = f"GaLoreConfig.rank_allocation={path!r}"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read the file of per-layer ranks ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not a JSON file of per-layer ranks ({exc})") from None
+    if isinstance(data, list) and all(isinstance(row, dict) and "layer" in row and "rank" in row for row in data):
+        data = {row["layer"]: row["rank"] for row in data}
+    if not isinstance(data, dict) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
+                                             for r in data.values()):  # fmt: skip
+        raise ValueError(
+            f"{where}: expected {{layer name: positive int rank}} or the rows of galore_ranks.json (each with "
+            "'layer' and 'rank')"
+        )
+    missing = [name for name in names if name not in data]
+    extra = [name for name in data if name not in names]
+    if missing or extra:
+        raise ValueError(
+            f"{where} does not hold the ranks of this model's GaLore layers: "
+            + (f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"not targeted here {extra[:6]}{' ...' if len(extra) > 6 else ''}" if extra else "")
+            + ". Use the file written for this model and these target_modules / exclude_modules"
+        )
+    return {name: data[name] for name in names}
+
+
+def _galore_linear(
+    linear: nn.Linear, config: GaLoreConfig, layer_index: int, rank: Optional[int] = None
+) -> GaLoreLinear:
+    layer = GaLoreLinear(linear, config, layer_index=layer_index, rank=rank)
     _mark_initialized(linear, layer)
     return layer
 
@@ -537,10 +576,11 @@ def replace_targets(model: nn.Module, config: GaLoreConfig, *, build: ModuleBuil
     report alike."""
     selected, report = select_targets(model, config)
     experts = select_expert_targets(model, config, report)
+    ranks = fixed_ranks(config, [name for name, _ in selected]) or {}
     layers: list[GaLoreLinear] = []
     for index, (name, module) in enumerate(selected):
         # One at a time: a quantized W0 replaces the original weight before the next layer is built.
-        layer = build(module, functools.partial(_galore_linear, module, config, index))
+        layer = build(module, functools.partial(_galore_linear, module, config, index, ranks.get(name)))
         layers.append(layer)
         report.layer_scales[name] = layer.scale
         swap_submodule(model, name, layer)

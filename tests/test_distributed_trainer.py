@@ -16,6 +16,8 @@ CPU parameters with or without the plugin.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -153,6 +155,46 @@ def test_trainer_two_ranks_match_single_process_and_resume_exactly(
     if engine == "zero1":
         # the DeepSpeed resume path (deepspeed_load_checkpoint, not Trainer._load_from_checkpoint) reads it
         assert "has no galore_state.pt" in run["refused"]
+
+
+@pytest.fixture(scope="module")
+def ranks_file(tmp_path_factory) -> str:
+    """Per-layer ranks for the tiny Llama's 14 GaLore layers (GaLoreConfig.rank_allocation=<file>), all different
+    from the uniform rank 8 of the other cases, as a rank_allocation='auto' run writes them."""
+    per_kind = {"q_proj": 4, "k_proj": 6, "v_proj": 12, "o_proj": 8, "gate_proj": 10, "up_proj": 5, "down_proj": 16}
+    rows = [
+        {
+            "layer": f"model.layers.{i}.{'self_attn' if kind.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{kind}",
+            "rank": rank + i,
+        }
+        for i in range(2)
+        for kind, rank in per_kind.items()
+    ]
+    path = tmp_path_factory.mktemp("ranks") / "galore_ranks.json"
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_per_layer_ranks_from_a_file_match_single_process(tmp_path, pretrained, single_process, ranks_file, engine):
+    """Ranks an 'auto' allocation chose, fixed from the start (rank_allocation=<galore_ranks.json>): every engine
+    trains them as one process does, within the bounds of the uniform-rank cases above, and resumes exactly."""
+    extra = PAPER + f",rank_allocation={ranks_file}"
+    run = _run_engine(tmp_path, pretrained, engine, "galore_adamw", extra)
+    single = single_process("galore_adamw", extra)
+    uniform = single_process("galore_adamw", PAPER)
+    steps = sorted(single["losses"])
+    assert sorted(run["losses"]) == steps
+    assert [single["losses"][s] for s in steps] != [uniform["losses"][s] for s in steps], "the file's ranks apply"
+    torch.testing.assert_close(
+        torch.tensor([run["losses"][s] for s in steps]),
+        torch.tensor([single["losses"][s] for s in steps]),
+        rtol=2e-6,
+        atol=0,
+    )
+    for key, expected in single["weights"].items():
+        assert_weights_match(run["weights"][key], expected, key=key, int8_folds=0, rtol=1e-6, atol=1e-5)
+    _assert_resumed_exactly(run)
 
 
 @pytest.mark.parametrize("engine", ["zero2", "ddp"])

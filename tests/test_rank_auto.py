@@ -95,6 +95,8 @@ def test_rank_auto_spells_allocation_at_the_default_rank():
         (dict(rank_min=9, rank_max=4), "rank_max"),
         (dict(rank_min=0), "rank_min"),
         (dict(rank_allocation="spectral"), "rank_allocation"),
+        (dict(rank_allocation="ranks.txt"), "rank_allocation"),
+        (dict(rank_allocation="ranks.json", rank_max=8), "rank_max"),
         (dict(proj_type="full"), "rank_allocation"),
         (dict(residual=True), "rank_allocation"),
     ],
@@ -276,3 +278,35 @@ def test_trainer_allocates_and_writes_the_report(tmp_path):
     assert rows and all(2 <= row["rank"] <= 24 for row in rows)
     ranks = {name: layer.right_rank or layer.left_rank for name, layer in hgp.galore_layers(trainer.model)}
     assert {row["layer"]: row["rank"] for row in rows} == {name: ranks[name] for name in (r["layer"] for r in rows)}
+
+
+def test_ranks_from_the_report_of_an_auto_run_fixed_from_the_start(tmp_path):
+    """rank_allocation=<galore_ranks.json>: an 'auto' run's ranks, built at construction (what the engines run)."""
+    model, opt = _prepared()
+    _train(model, opt, 1)
+    path = hgp.save_rank_report(model, str(tmp_path))
+    chosen = {name: layer._adaptive.target for name, layer in hgp.galore_layers(model)}
+    fixed, fixed_opt = _prepared(_config(rank_allocation=path))
+    assert _ranks(fixed) == chosen
+    assert all(layer._adaptive is None for _, layer in hgp.galore_layers(fixed))
+    _train(fixed, fixed_opt, 5)
+    assert _ranks(fixed) == chosen
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"blocks.0": 4}', r"missing \['blocks.1', 'blocks.2', 'up'\]"),
+        ('{"blocks.0": 4, "blocks.1": 4, "blocks.2": 4, "up": 4, "head": 4}', r"not targeted here \['head'\]"),
+        ('{"blocks.0": 0, "blocks.1": 4, "blocks.2": 4, "up": 4}', "positive int rank"),
+        ("[1, 2]", "positive int rank"),
+        ("not json", "not a JSON file"),
+    ],
+)
+def test_a_ranks_file_that_does_not_fit_is_refused(tmp_path, content, message):
+    path = tmp_path / "ranks.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        hgp.prepare_model(_net(), _config(rank_allocation=str(path)))
+    with pytest.raises(ValueError, match="cannot read"):
+        hgp.prepare_model(_net(), _config(rank_allocation=str(tmp_path / "absent.json")))

@@ -182,7 +182,11 @@ class GaLoreLinear(nn.Module):
     # rank_allocation='auto': the layer's rank state (layers/rank.py); None: the rank is fixed.
     _adaptive: Optional[_rank_mod.AdaptiveRank] = None
 
-    def __init__(self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0) -> None:
+    def __init__(
+        self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0, rank: Optional[int] = None
+    ) -> None:
+        """`rank`: this layer's rank where it is not ``config.rank`` (a file of per-layer ranks:
+        ``GaLoreConfig.rank_allocation``)."""
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"GaLoreLinear wraps nn.Linear, got {type(base).__name__}")
@@ -196,10 +200,11 @@ class GaLoreLinear(nn.Module):
         has_left, has_right = resolve_sides(config.proj_type, m, n)
         # A side whose dimension the rank covers needs no basis: the subspace is the whole space and the
         # canonical basis makes the step exactly Adam on W (no rotation; Adam is not rotation-invariant).
-        self.left_rank = min(config.rank, m) if has_left else None
-        self.right_rank = min(config.rank, n) if has_right else None
-        self.left_identity = has_left and config.rank >= m
-        self.right_identity = has_right and config.rank >= n
+        rank = config.rank if rank is None else rank
+        self.left_rank = min(rank, m) if has_left else None
+        self.right_rank = min(rank, n) if has_right else None
+        self.left_identity = has_left and rank >= m
+        self.right_identity = has_right and rank >= n
         factor_rows = self.left_rank if self.left_rank is not None else m
         factor_cols = self.right_rank if self.right_rank is not None else n
         device = weight.device
