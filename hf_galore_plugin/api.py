@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from .config import GaLoreConfig
 from .engines.capabilities import check_inner_optimizer, check_moment_handling
@@ -552,6 +553,8 @@ def _allocate_when_measured(layers: list[tuple[str, GaLoreLinear]]) -> bool:
     adaptive = [(name, layer) for name, layer in layers if layer._adaptive is not None]
     if not all(layer._adaptive.measured for _, layer in adaptive):  # type: ignore[union-attr]
         return True
+    if any(layer.galore_spectrum.is_meta or is_fake(layer.galore_spectrum) for _, layer in adaptive):
+        return True  # a traced step (the memory planner): no values to allocate from
     spectra = {name: _spectrum(layer) for name, layer in adaptive}
     budget = rank_budget(layers)
     ranks = allocate_ranks(spectra, budget)

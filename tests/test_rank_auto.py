@@ -310,3 +310,26 @@ def test_a_ranks_file_that_does_not_fit_is_refused(tmp_path, content, message):
         hgp.prepare_model(_net(), _config(rank_allocation=str(path)))
     with pytest.raises(ValueError, match="cannot read"):
         hgp.prepare_model(_net(), _config(rank_allocation=str(tmp_path / "absent.json")))
+
+
+def test_planner_plans_auto_at_its_budget(tmp_path):
+    """The planner traces rank_allocation='auto' at the starting ranks (the budget's total) with the calibration's
+    wider sketches, and says so; its ordinary step holds what uniform's holds (same factor values)."""
+    pytest.importorskip("transformers")
+    from hf_galore_plugin.plan import estimate
+
+    config = tmp_path / "config.json"
+    from conftest import TINY_LLAMA
+    from transformers import LlamaConfig
+
+    config.write_text(json.dumps({**LlamaConfig(**TINY_LLAMA).to_dict(), "vocab_size": 512}))
+    common = dict(config=str(config), methods=["galore_adamw"], rank=8, seq_len=32, device="cpu")
+    auto = estimate(**common, optim_args="rank_allocation=auto")["methods"]["galore_adamw"]
+    uniform = estimate(**common)["methods"]["galore_adamw"]
+    assert any("rank_allocation='auto': planned at the starting rank 8" in note for note in auto["notes"])
+    # the same factors and optimizer state; plus each of the 14 layers' spectrum (rank_max 16 fp32 values), its
+    # total (fp32) and its target rank (int64)
+    assert auto["peak_bytes"] - uniform["peak_bytes"] == 14 * (16 * 4 + 4 + 8)
+    assert auto["refresh_peak_bytes"] >= uniform["refresh_peak_bytes"]  # calibration records up to rank_max
+    larger = estimate(**common, optim_args="rank_allocation=auto,rank_budget=100000")["methods"]["galore_adamw"]
+    assert any("plan with rank =" in note for note in larger["notes"])

@@ -134,7 +134,13 @@ def resize(layer: Any, rank: int) -> None:
     )
     fresh.__dict__.update(factor.__dict__)
     factor.grad = None
-    torch.utils.swap_tensors(factor, fresh)
+    try:
+        torch.utils.swap_tensors(factor, fresh)
+    except RuntimeError:
+        # swap_tensors refuses a tensor something holds a weak reference to (a memory tracker, an engine's
+        # registry): the contents then go in through `.data`, which holds as long as no graph of an earlier
+        # step is alive (the Trainer's loop keeps none).
+        factor.data = fresh.data
     layer.scale = layer.config.layer_scale([(state.dim, rank)])
     if layer._folded_side is not None:
         layer.galore_folded_scale.fill_(layer.scale)

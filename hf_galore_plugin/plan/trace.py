@@ -283,6 +283,8 @@ def _setup(method: str, model: nn.Module, settings: Settings):
         prepare_model(model, config)
     optimizer = create_optimizer(model, config, lr=LR)
     notes.append(f"traced: hf_galore_plugin layers and {type(optimizer).__name__}")
+    if config.rank_allocation == "auto":
+        notes.append(_auto_rank_note(model, config))
     if config.refresh_schedule != "staggered":
         return optimizer, (lambda: after_step(model, optimizer)), True, notes
     user = preset.replace(**{"rank": settings.rank, **settings.optim_args})
@@ -533,6 +535,30 @@ class _Roles:
             out.append({"shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch."), "bytes": e.nbytes,
                         "part": role, "made_in": e.phase})  # fmt: skip
         return out
+
+
+def _auto_rank_note(model, config) -> str:
+    """How a plan of rank_allocation='auto' stands for the run: the trace keeps every layer at the starting rank
+    (a traced spectrum has no values to allocate from), with the calibration's wider sketches."""
+    from ..api import galore_layers, rank_budget
+
+    layers = galore_layers(model)
+    budget = rank_budget(layers)
+    start = sum(layer._adaptive.cost * layer._adaptive.start for _, layer in layers if layer._adaptive is not None)
+    low, high = config.effective_rank_bounds
+    note = (
+        f"rank_allocation='auto': planned at the starting rank {config.rank} in every layer ({start:,} factor "
+        f"values); calibration records sketched at up to rank_max={high} (+ oversampling). The allocation keeps "
+        f"the factors and their optimizer state within the budget of {budget:,} values, so the peak follows the "
+        f"total, not the split"
+    )
+    if budget > start:
+        note += (
+            f"; this rank_budget is {budget / start:.2f}x the starting ranks' values: the factor and optimizer "
+            f"state parts grow by up to that factor once the layers take their ranks (plan with rank = "
+            f"{config.rank * budget // start} for that)"
+        )
+    return note
 
 
 def trace_method(config, method: str, settings: Settings, *, fake: bool = True) -> MethodTrace:
