@@ -117,13 +117,17 @@ def galore_param_groups(
         if plain:
             result.append({**group, "params": plain})
         # One group per scale (scale='auto' gives layers of different shapes their own): the eps of a group
-        # is the eps of its layers' scale.
-        by_scale: dict[float, list[torch.nn.Parameter]] = {}
+        # is the eps of its layers' scale. A layer of rank_allocation='auto' has a group of its own, whose eps
+        # follows its scale when it takes its rank (contract.factor_rescaled).
+        by_scale: dict[Any, list[torch.nn.Parameter]] = {}
         for p in params:
             if id(p) in layers:
-                by_scale.setdefault(layers[id(p)][1].scale, []).append(p)
+                name, layer = layers[id(p)]
+                key = (name, layer.scale) if layer._adaptive is not None else layer.scale
+                by_scale.setdefault(key, []).append(p)
         group_eps = group.get("eps", eps)
-        for scale, lowrank in by_scale.items():
+        for key, lowrank in by_scale.items():
+            scale = key[1] if isinstance(key, tuple) else key
             if isinstance(group_eps, (tuple, list)):
                 # Adafactor's (eps1, eps2): eps1 is added to the squared gradient, so it scales by scale**2 for
                 # Adafactor(scale * R, eps1 * scale**2) == Adafactor(R, eps1); eps2 bounds the parameter's RMS.

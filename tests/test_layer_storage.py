@@ -110,9 +110,9 @@ def test_state_dict_written_by_the_old_layer_loads_to_the_same_keys_and_numbers(
     old = {key: _with_folded_scale(FIXTURE[name][key], layer) for key in ("state_dict", "after_refresh")}
     old = {**FIXTURE[name], **old}
     # The same key names as before, for this storage setting (and the multiplier of the folded basis), before
-    # and after a load of the state written before the fold (without that multiplier: converted on load).
+    # and after a load of that state.
     assert set(layer.state_dict()) == set(old["state_dict"])
-    layer.load_state_dict(FIXTURE[name]["state_dict"], strict=True)
+    layer.load_state_dict(old["state_dict"], strict=True)
     loaded = layer.state_dict()
     assert set(loaded) == set(old["state_dict"])
     for key, value in old["state_dict"].items():
@@ -272,6 +272,16 @@ def test_a_damaged_folded_scale_is_refused_naming_it(value):
     state["galore_folded_scale"] = torch.tensor(value)
     with pytest.raises(ValueError, match="galore_folded_scale"):
         _layer_with_state(0.25, "as_computed").load_state_dict(state)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_basis_without_its_folded_scale_is_refused_naming_it(strict):
+    """A state that holds the folded basis but not the multiplier it carries cannot be read (the basis would be
+    taken at the wrong scale): refused, strict or not."""
+    state = _layer_with_state(0.25, "as_computed").state_dict()
+    del state["galore_folded_scale"]
+    with pytest.raises(ValueError, match="galore_folded_scale is missing"):
+        _layer_with_state(0.25, "as_computed").load_state_dict(state, strict=strict)
 
 
 @pytest.mark.parametrize("storage, group_size", [("int8", 32), ("int4", 32), ("nf4", 64)])

@@ -201,6 +201,12 @@ def test_resize_keeps_the_effective_weight_and_restarts_the_state():
         if name in changed:
             assert not opt.state[layer.galore_factor], "a factor of a new shape starts without optimizer state"
             assert torch.count_nonzero(layer.galore_factor) == 0
+    # each adaptive factor has its own group, whose eps follows the layer's scale (eps * scale: galore_param_groups)
+    base = next(group["eps"] for group in opt.param_groups if not group.get("galore"))
+    for name, layer in layers.items():
+        (group,) = [g for g in opt.param_groups if any(p is layer.galore_factor for p in g["params"])]
+        assert group["galore_layers"] == [name]
+        assert group["eps"] == pytest.approx(base * layer.scale, rel=1e-12)
     _train(model, opt, 2, start=5)  # trains on at the new shapes
     assert all(layer.galore_factor.abs().sum() > 0 for layer in layers.values())
 
@@ -333,3 +339,29 @@ def test_planner_plans_auto_at_its_budget(tmp_path):
     assert auto["refresh_peak_bytes"] >= uniform["refresh_peak_bytes"]  # calibration records up to rank_max
     larger = estimate(**common, optim_args="rank_allocation=auto,rank_budget=100000")["methods"]["galore_adamw"]
     assert any("plan with rank =" in note for note in larger["notes"])
+
+
+def test_trainer_resume_across_the_change_of_rank_is_bit_exact(tmp_path):
+    """galore_state.pt carries the spectra, the targets and the factors at their ranks: a resume from a
+    checkpoint taken after the layers took their ranks continues exactly."""
+    pytest.importorskip("transformers")
+    from transformers import Trainer
+
+    from conftest import build_tiny_llama, logged_losses, token_data, training_args
+
+    def run(output_dir, resume=None):
+        args = training_args(output_dir, optim="galore_adamw", max_steps=8, save_strategy="steps", save_steps=4,
+                             optim_args="rank=8,rank_allocation=auto,rank_min=2,rank_max=24,update_proj_gap=2")  # fmt: skip
+        trainer = Trainer(model=build_tiny_llama(), args=args, train_dataset=token_data())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    ranks = {name: layer.right_rank or layer.left_rank for name, layer in hgp.galore_layers(full.model)}
+    assert len(set(ranks.values())) > 1
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-4"))
+    assert logged_losses(resumed) == logged_losses(full)
+    full_state, resumed_state = full.model.state_dict(), resumed.model.state_dict()
+    assert full_state.keys() == resumed_state.keys()
+    for key in full_state:
+        assert torch.equal(full_state[key], resumed_state[key]), key

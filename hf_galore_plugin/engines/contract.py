@@ -114,6 +114,25 @@ def param_changed(optimizer: Optional[Any], param: torch.Tensor) -> None:
         notify(param)
 
 
+def factor_rescaled(optimizer: Optional[Any], param: torch.Tensor, ratio: float) -> None:
+    """The GaLore scale of `param`'s layer changed by `ratio` (rank_allocation='auto' gave it another rank): the
+    group that holds the factor (its own: api.galore_param_groups) keeps eps = eps * scale, so its eps follows
+    (an (eps1, eps2) pair: eps1, added to squared gradients, by ratio ** 2)."""
+    if optimizer is None:
+        return
+    for group in unwrap_optimizer(optimizer).param_groups:
+        if not any(p is param for p in group["params"]):
+            continue
+        if not group.get("galore") or len(group["params"]) != 1:
+            raise ValueError(
+                "a GaLore factor changed its scale, but its optimizer group holds other parameters (whose eps would "
+                "change with it); build the optimizer with hf_galore_plugin.create_optimizer"
+            )
+        eps = group["eps"]
+        group["eps"] = (eps[0] * ratio**2, *eps[1:]) if isinstance(eps, (tuple, list)) else eps * ratio
+        return
+
+
 def reset_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
     """Forget `param`'s optimizer state (:class:`StateOptimizer`, or drop ``optimizer.state[param]``)."""
     # Per method, not isinstance(StateOptimizer): an adapter may offer reset_state alone.

@@ -27,6 +27,7 @@ from ..checkpoint.manifest import MANIFEST_NAME, remove_stale_temporaries, verif
 from ..checkpoint.state import SavedLayout, apply_mutable_changes, check_merged_weights, read_checkpoint_state
 from ..inject import state_dict_name
 from ..layers import GaLoreLinear
+from ..layers import rank as layer_rank
 from ..registry import LAYERWISE_ALIASES
 from ..state import state_of
 from .common import checkpoint_is_complete, checkpoint_steps, latest_complete_checkpoint, step_of
@@ -107,7 +108,7 @@ def _galore_state_injected(
         key = layer.merged_weight_key(state_dict_name(layer_name))
         planned = layout(key, torch.empty(_merged_shape(layer), device="meta"))
         file_keys.update(planned or ())
-        handles.append(layer._register_load_state_dict_pre_hook(_injecting_hook(per_layer.get(layer_name, {}))))
+        handles.append(layer._register_load_state_dict_pre_hook(_injecting_hook(per_layer.get(layer_name, {}), layer)))
 
     def take_merged(state_dict: dict[str, Any], prefix: str, *unused: Any) -> None:
         # Runs before the layers' hooks (a module's own hook runs before its children load).
@@ -124,13 +125,16 @@ def _galore_state_injected(
             handle.remove()
 
 
-def _injecting_hook(layer_state: dict[str, torch.Tensor]) -> Callable[..., None]:
+def _injecting_hook(layer_state: dict[str, torch.Tensor], layer: GaLoreLinear) -> Callable[..., None]:
     """The load pre-hook of one GaLore layer (:func:`_galore_state_injected`): its own tensors replace what
-    the model file holds under its prefix."""
+    the model file holds under its prefix (and a layer of rank_allocation='auto' takes their rank first)."""
 
     def inject(state_dict: dict[str, Any], prefix: str, *unused: Any) -> None:
         state_dict.pop(prefix + "weight", None)  # a merged weight is never W0
         state_dict.update({prefix + sub_key: value for sub_key, value in layer_state.items()})
+        if layer._adaptive is not None:
+            # The layer's own check ran before this hook put the factor in: take the saved rank now.
+            layer_rank.before_load(layer, state_dict, prefix)
 
     return inject
 

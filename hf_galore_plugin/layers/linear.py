@@ -1064,19 +1064,22 @@ class GaLoreLinear(nn.Module):
             self._residual_ready = not math.isnan(float(rate))  # a load syncs anyway
 
     def _load_folded_scale(self, state_dict, prefix: str, missing_keys: list[str]) -> None:
-        # A basis came with the load: it carries the multiplier the state dict recorded, or, where the state
-        # dict records none (a plain basis, without galore_folded_scale), none at all (1).
+        # A basis came with the load: it carries the multiplier the state dict recorded (every state the layer
+        # writes records it; a basis without it cannot be read).
         store = self._bases[self._folded_side]  # type: ignore[index]
         assert store is not None
         if not any(prefix + name in state_dict for name in store.buffer_names()):
             return
         key = prefix + "galore_folded_scale"
         recorded = state_dict.get(key)
-        if recorded is None and key in missing_keys:
-            missing_keys.remove(key)
-        if recorded is not None and (recorded.is_meta or is_fake(recorded)):
+        if recorded is None:
+            raise ValueError(
+                f"{key} is missing from the loaded state, which holds this layer's basis: the GaLore scale the "
+                "stored basis carries is unknown. Load the whole state the layer saved (its state_dict())"
+            )
+        if recorded.is_meta or is_fake(recorded):
             return  # no values to convert (the memory planner's trace, a meta-device model)
-        carried = 1.0 if recorded is None else float(recorded)
+        carried = float(recorded)
         if not (0.0 < carried < float("inf")):
             raise ValueError(
                 f"{key} = {carried!r} in the loaded state: the multiplier a stored basis carries is the positive "

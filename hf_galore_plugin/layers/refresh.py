@@ -26,7 +26,7 @@ from ..engines.collectives import all_reduce_mean as _all_reduce_mean
 from ..engines.collectives import is_dtensor as _is_dtensor
 from ..engines.collectives import local_shard as _local
 from ..engines.collectives import world_size as _world_size
-from ..engines.contract import change_basis, gathered_parameters, param_changed
+from ..engines.contract import change_basis, factor_rescaled, gathered_parameters, param_changed
 from ..projection import BasisError, Reduce, basis_from_sketch, compute_basis, subspace_similarity, transport_matrix
 from ..config import GaLoreConfig
 from . import rank as _rank
@@ -283,7 +283,9 @@ def _install_bases(
     fold_factor_into_base(layer, optimizer)
     resized = any(basis.shape[-1] != old_bases[side].shape[-1] for side, basis in new_bases.items())
     if resized:
+        old_scale = layer.scale
         _rank.resize(layer, next(iter(new_bases.values())).shape[-1])
+        factor_rescaled(optimizer, layer.galore_factor, layer.scale / old_scale)
         first = True  # no similarity between subspaces of different ranks; the state restarts
     for side, basis in new_bases.items():
         layer._set_basis(side, basis)
