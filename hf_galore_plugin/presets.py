@@ -21,5 +21,9 @@ def galore_adafactor() -> GaLoreConfig:
     return GaLoreConfig.preset("galore_adafactor")
 
 
+def galore_muon() -> GaLoreConfig:
+    return GaLoreConfig.preset("galore_muon")
+
+
 def qgalore_adamw_8bit() -> GaLoreConfig:
     return GaLoreConfig.preset("qgalore_adamw_8bit")

@@ -57,6 +57,7 @@ def test_names_are_real_enum_members():
         "galore_adamw": "takeover",
         "galore_adamw_8bit": "takeover",
         "galore_adafactor": "takeover",
+        "galore_muon": "added",
         "qgalore_adamw_8bit": "added",
         "galore_adamw_layerwise": "layerwise",
         "galore_adamw_8bit_layerwise": "layerwise",
@@ -185,7 +186,7 @@ def test_no_takeover_env_leaves_transformers_names_alone():
         """,
         env={**ENV, "HF_GALORE_PLUGIN_NO_TAKEOVER": "1"},
     )
-    assert out.stdout.strip() == "['qgalore_adamw_8bit']"
+    assert out.stdout.strip() == "['galore_muon', 'qgalore_adamw_8bit']"
 
 
 # ---------------------------------------------------------------------- dispatch

@@ -171,17 +171,26 @@ def check_state_offload(engine: str, *, state_offload: str) -> None:
 _WHOLE_FACTOR_ENGINES = ("single", "ddp")
 
 
+# What each such optimizer computes over the whole factor.
+_WHOLE_FACTOR_NEEDS = {
+    "adafactor": "its factored second moment needs",
+    "muon": "its Newton-Schulz orthogonalisation of the factor's momentum needs",
+}
+
+
 def check_inner_optimizer(engine: str, *, inner_optimizer: str) -> None:
     """Raise :class:`UnsupportedByEngine` when `engine` cannot run `inner_optimizer` on the GaLore factors:
-    Adafactor factors its second moment over the rows and columns of the whole factor, which FSDP1 and ZeRO
-    hold as 1-D flat partitions and FSDP2 as row shards (and ZeRO steps its own partitions)."""
+    Adafactor factors its second moment over the rows and columns of the whole factor, Muon orthogonalises the
+    whole factor's momentum; FSDP1 and ZeRO hold a factor as 1-D flat partitions and FSDP2 as row shards (and ZeRO
+    steps its own partitions)."""
     if engine not in CAPABILITIES:
         raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
     if inner_optimizer == "adamw" or engine in _WHOLE_FACTOR_ENGINES:
         return
+    needs = _WHOLE_FACTOR_NEEDS.get(inner_optimizer, "it needs")
     raise UnsupportedByEngine(
         f"inner_optimizer={inner_optimizer!r} (galore_{inner_optimizer}) is not supported under "
-        f"{CAPABILITIES[engine].label}: its factored second moment needs each GaLore factor whole and 2-D, which "
+        f"{CAPABILITIES[engine].label}: {needs} each GaLore factor whole and 2-D, which "
         f"{CAPABILITIES[engine].label} partitions. Use galore_adamw (inner_optimizer='adamw') there, or train in "
         "one process or under DDP."
     )
