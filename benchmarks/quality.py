@@ -60,6 +60,7 @@ METHODS = (
     "adamw", "adamw_galore_rates", "bnb_adamw8bit", "galore_torch", "transformers_galore",
     "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "lora_r8", "lora_matched", "qlora_nf4",
     "galore_adamw_auto", "galore_adamw_8bit_auto", "qgalore_adamw_8bit_auto",
+    "galore_adamw_rank_auto", "galore_adamw_rank_auto_075",
 )  # fmt: skip
 
 # Documented peak learning rates for pre-training.
@@ -73,6 +74,7 @@ METHODS = (
 #   documented rate, which the drop-in rule says carries over unchanged.
 # - LoRA, QLoRA: 1e-3. Neither paper documents a rate for pre-training from scratch; this is the
 #   full-rank rate, which the GaLore paper's low-rank baselines start from. The sweep covers 3e-3.
+# - galore_adamw_rank_auto*, galore_adamw_r<R>: galore_adamw's (dynamic rank below).
 DOCUMENTED_LR = {
     "adamw": 1e-3, "adamw_galore_rates": 1e-2, "bnb_adamw8bit": 1e-3, "galore_torch": 1e-2, "transformers_galore": 1e-2,
     "galore_adamw": 1e-2, "galore_adamw_8bit": 1e-2, "qgalore_adamw_8bit": 1e-2,
@@ -90,7 +92,19 @@ DOCUMENTED_LR.update({m: DOCUMENTED_LR[m.split("_experts_r")[0]] for m in EXPERT
 # share with the embeddings and head), so that the comparison is of the projection, not of the rate.
 EXPERT_CONTROL = "galore_adamw_dense_experts_scaled"
 DOCUMENTED_LR[EXPERT_CONTROL] = DOCUMENTED_LR["galore_adamw"]
-ALL_METHODS = METHODS + EXPERT_METHODS + (EXPERT_CONTROL,)
+# Dynamic rank (issue 39): `galore_adamw_rank_auto` is galore_adamw with rank_allocation='auto' at the size's
+# rank (each layer's rank from its calibration gradient; budget: the factor values of that uniform rank, bounds
+# [rank // 4, 2 * rank]); `galore_adamw_rank_auto_075` starts at 0.75 x the rank with the same bounds, so its
+# budget (and its state before the allocation) is 0.75 x the uniform rank's factor values (exact while every
+# projected side is at least the rank). A `_r<R>` suffix (`galore_adamw_r16`, `galore_adamw_rank_auto_r16`)
+# puts rank R in place of the size's.
+RANK_VARIANT = re.compile(r"galore_adamw(?P<auto>_rank_auto(?P<b075>_075)?)?(?:_r(?P<rank>\d+))?")
+RANK_BUDGET_075 = 0.75
+RANK_METHODS = ("galore_adamw_rank_auto", "galore_adamw_rank_auto_075")
+RANK_PAIR_RANK = 16  # the second uniform / auto pair at tiny (hidden 128 / 8; the size's rank 32 is hidden / 4)
+RANK_PAIR_METHODS = tuple(f"{m}_r{RANK_PAIR_RANK}" for m in ("galore_adamw",) + RANK_METHODS)
+DOCUMENTED_LR.update({m: DOCUMENTED_LR["galore_adamw"] for m in RANK_METHODS + RANK_PAIR_METHODS})
+ALL_METHODS = METHODS + EXPERT_METHODS + (EXPERT_CONTROL,) + RANK_PAIR_METHODS
 MOE_METHODS = ("adamw", "galore_adamw", EXPERT_CONTROL) + tuple(f"galore_adamw_experts_r{r}" for r in EXPERT_RANKS)
 # How the grid chooses GaLoreConfig.expert_rank: the smallest expert rank whose held-out loss (mean over
 # the seeds, each method at its best rate) is within this fraction of the same preset with the experts
@@ -216,13 +230,40 @@ def heldout_loss(model, blocks: torch.Tensor, batch_size: int, device: torch.dev
 
 
 # ---------------------------------------------------------------------- one run
+def rank_fields(method: str, size_rank: int) -> Optional[dict[str, Any]]:
+    """GaLoreConfig fields of a dynamic-rank or other-rank galore_adamw method (RANK_VARIANT), with "rank" the
+    starting rank; None for every other method."""
+    match = RANK_VARIANT.fullmatch(method)
+    if match is None or not (match["auto"] or match["rank"]):
+        return None
+    rank = int(match["rank"] or size_rank)
+    if not match["auto"]:
+        return {"rank": rank}
+    start = rank
+    if match["b075"]:
+        start = round(RANK_BUDGET_075 * rank)
+        if start != RANK_BUDGET_075 * rank:
+            raise ValueError(f"{method}: {RANK_BUDGET_075} x rank {rank} is not a whole rank")
+    return {"rank": start, "rank_allocation": "auto", "rank_min": max(1, rank // 4), "rank_max": 2 * rank}
+
+
+def is_rank_variant(method: str) -> bool:
+    match = RANK_VARIANT.fullmatch(method)
+    return match is not None and bool(match["auto"] or match["rank"])
+
+
+def scale_auto(method: str) -> bool:
+    """`<preset>_auto`: the preset at scale 'auto' with the Trainer's lr_scale (not `galore_adamw_rank_auto`)."""
+    return method.endswith(AUTO_SUFFIX) and not is_rank_variant(method)
+
+
 def resolve_method(method: str) -> tuple[str, dict[str, Any]]:
     """(the _common method that trains `method`, its GaLoreConfig overrides): `<preset>_experts_r<R>` is
     `<preset>` with experts=True, expert_rank=R; `<preset>_auto` is `<preset>` (at scale "auto"); every other
     name is itself without overrides."""
-    if method == EXPERT_CONTROL:
+    if method == EXPERT_CONTROL or is_rank_variant(method):
         return "galore_adamw", {}
-    if method.endswith(AUTO_SUFFIX):
+    if scale_auto(method):
         return method[: -len(AUTO_SUFFIX)], {}
     match = re.fullmatch(r"(.+)_experts_r(\d+)", method)
     if match is None:
@@ -238,10 +279,12 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     data = load_data(job["data"])
     model = build_model(size, data["vocab_size"], job["seed"], device)
     method, expert_overrides = resolve_method(job["method"])
+    rank_overrides = rank_fields(job["method"], size.rank) or {}
+    galore_rank = rank_overrides.pop("rank", size.rank)
     setup = _common.MethodSetup(
-        targets_regex=TARGETS, extra_trainable=EXTRA_TRAINABLE, galore_rank=size.rank, galore_gap=size.gap,
-        galore_scale="auto" if job["method"].endswith(AUTO_SUFFIX) else GALORE_SCALE, lora_rank=8, lora_matched_rank=_common.matched_lora_rank(model, TARGETS, size.rank),
-        galore_overrides=tuple(sorted({**job.get("galore_overrides", {}), **expert_overrides}.items())),
+        targets_regex=TARGETS, extra_trainable=EXTRA_TRAINABLE, galore_rank=galore_rank, galore_gap=size.gap,
+        galore_scale="auto" if scale_auto(job["method"]) else GALORE_SCALE, lora_rank=8, lora_matched_rank=_common.matched_lora_rank(model, TARGETS, size.rank),
+        galore_overrides=tuple(sorted({**job.get("galore_overrides", {}), **expert_overrides, **rank_overrides}.items())),
         # The control: the plain expert parameters (named ...mlp.experts.gate_up_proj / down_proj) at lr x scale.
         **({"head_regex": r"\.experts\.", "head_lr": job["lr"] * GALORE_SCALE} if job["method"] == EXPERT_CONTROL else {}),
     )  # fmt: skip
@@ -253,7 +296,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
 
     galore_state = state_of(model)
     galore_config = galore_state.config if galore_state is not None else None
-    apply_lr_scale = bool(job.get("apply_lr_scale")) or job["method"].endswith(AUTO_SUFFIX)
+    apply_lr_scale = bool(job.get("apply_lr_scale")) or scale_auto(job["method"])
     if apply_lr_scale and galore_config is not None:
         # The Trainer integration's lr_scale (and its recovery) on the GaLore groups, as GaLoreCallback applies it.
         def scaled(step: int) -> float:
@@ -305,6 +348,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "train_seconds": train_seconds,
         "step_driver_seconds": refresh_seconds,  # time in after_step: basis refreshes and folds
         "refreshes": _refresh_count(model),
+        **_rank_record(model, size.rank),
         "galore_overrides": job.get("galore_overrides", {}),
         "apply_lr_scale": apply_lr_scale,
     }
@@ -316,6 +360,35 @@ def _refresh_count(model) -> Optional[int]:
 
     layers = [m for m in model.modules() if isinstance(m, GaLoreLinear)]
     return sum(int(m.galore_num_refreshes) for m in layers) if layers else None
+
+
+RANK_ROW_KEYS = ("layer", "index", "rank", "current_rank", "start_rank", "share", "share_at_start", "factor_values")
+RANK_RUN_KEYS = ("factor_values", "factor_bytes", "rank_budget_values", "uniform_budget_values", "rank_rows")
+
+
+def _rank_record(model, size_rank: int) -> dict[str, Any]:
+    """The run's factor values at the end (all GaLore layers; for rank_allocation='auto' the ranks it took), the
+    budget (auto: what the allocator spent against; uniform: the factor values themselves), the uniform budget
+    of the size's rank, and rank_report's per-layer rows (auto only)."""
+    from hf_galore_plugin import rank_report
+    from hf_galore_plugin.api import rank_budget
+    from hf_galore_plugin.layers import GaLoreLinear
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, GaLoreLinear)]
+    if not layers:
+        return {}
+    values = sum(m.galore_factor.numel() for _, m in layers)
+    kept = [max(m.galore_factor.shape) for _, m in layers]  # the side a one-sided factor keeps
+    rows = rank_report(model)
+    adaptive = any(m._adaptive is not None for _, m in layers)
+    return {
+        "factor_values": values,
+        "factor_bytes": sum(m.galore_factor.numel() * m.galore_factor.element_size() for _, m in layers),
+        "rank_budget_values": rank_budget(layers) if adaptive else values,
+        "uniform_budget_values": sum(k * size_rank for k in kept),
+        "layer_ranks": [min(m.galore_factor.shape) for _, m in layers],
+        "rank_rows": [{key: row[key] for key in RANK_ROW_KEYS} for row in rows],
+    }
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -355,6 +428,8 @@ def summarize(results: list[dict[str, Any]], methods: list[str]) -> list[dict[st
                 "heldout_mean": mean,
                 "heldout_spread": spread,
                 **_common.best_rate_fields(best, seeds),
+                **{key: best[key] for key in RANK_RUN_KEYS if key in best},
+                "layer_ranks": [r.get("layer_ranks") for r in seeds],
             }
         )
     return rows
@@ -382,6 +457,19 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             checks.append({"target": f"{method} (experts projected, expert_rank {overrides['expert_rank']}) within "
                                      f"{EXPERT_RANK_RULE:.0%} of {preset} with experts unprojected (held-out loss)",
                            "measured": f"{gap:+.2%}", "met": gap <= EXPERT_RANK_RULE})  # fmt: skip
+    for method, uniform in rank_pairs(by):
+        a, u = by[method], by[uniform]
+        fraction = a["rank_budget_values"] / u["factor_values"]
+        noise = max(a["heldout_spread"], u["heldout_spread"])
+        diff = a["heldout_mean"] - u["heldout_mean"]
+        if fraction > RANK_BUDGET_075 + 1e-9:  # the same budget: not worse, and better by more than the seed spread
+            target, met = f"{method} <= {uniform} held-out loss at the same factor budget ({fraction:.2f}x)", diff <= 0
+            checks.append({"target": target, "measured": f"{diff:+.4f} (seed spread {noise:.4f})", "met": met})
+            checks.append({"target": f"{method} better than {uniform} by more than the seed spread",
+                           "measured": f"{diff:+.4f} vs {noise:.4f}", "met": -diff > noise})  # fmt: skip
+        else:  # equal within noise (the larger of the two seed spreads) at <= 0.75x the budget
+            checks.append({"target": f"{method} ({fraction:.2f}x the factor budget) equal to {uniform} within the seed spread or better",
+                           "measured": f"{diff:+.4f} (seed spread {noise:.4f})", "met": diff <= noise})  # fmt: skip
     for other in ("lora_r8", "lora_matched", "qlora_nf4"):
         if "qgalore_adamw_8bit" in by and other in by:
             q, o = by["qgalore_adamw_8bit"], by[other]
@@ -396,6 +484,78 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
     return checks
+
+
+def rank_pairs(by: dict[str, Any]) -> list[tuple[str, str]]:
+    """(dynamic-rank method, the uniform galore_adamw at its rank) for each pair present in `by`."""
+    pairs = []
+    for method in by:
+        match = RANK_VARIANT.fullmatch(method)
+        if match is not None and match["auto"]:
+            uniform = f"galore_adamw_r{match['rank']}" if match["rank"] else "galore_adamw"
+            if uniform in by:
+                pairs.append((method, uniform))
+    return pairs
+
+
+def rank_table(rows: list[dict[str, Any]]) -> str:
+    """The dynamic-rank table: uniform and rank_allocation='auto' rows with their factor budget and ranks."""
+    import statistics
+
+    chosen = [r for r in rows if r.get("best_lr") is not None and r.get("factor_values") and is_rank_variant(r["method"])
+              or r["method"] == "galore_adamw" and r.get("best_lr") is not None]  # fmt: skip
+    if not any(is_rank_variant(r["method"]) for r in chosen):
+        return ""
+    lines = ["| method | budget: factor values (MiB fp32) | vs uniform rank's | best lr | held-out loss (mean ± std, seeds) "
+             "| ranks min / median / max (seed 0) | ranks over the seeds |", "|" + "---|" * 7]  # fmt: skip
+    for r in chosen:
+        budget = r["rank_budget_values"]
+        ranks0 = r["layer_ranks"][0]
+        every = [k for ranks in r["layer_ranks"] if ranks for k in ranks]
+        lines.append(
+            f"| {r['method']} | {budget:,} ({budget * 4 / 2**20:.2f}) | {budget / r['uniform_budget_values']:.2f}x "
+            f"| {r['best_lr']:.2g} | {_common.format_mean_spread(r['heldout_losses'], 4)} ({len(r['heldout_losses'])}) "
+            f"| {min(ranks0)} / {statistics.median(ranks0):g} / {max(ranks0)} "
+            f"| {min(every)} / {statistics.median(every):g} / {max(every)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_ranks(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
+    """Rank per layer by depth of each rank_allocation='auto' method (its best rate, seed 0), the uniform ranks
+    dashed. False when no such row has ranks."""
+    autos = [r for r in rows if r.get("rank_rows")]
+    if not autos:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def depth(row: dict[str, Any]) -> int:  # the decoder layer (model.layers.<i>.), else the GaLore layer index
+        match = re.search(r"layers\.(\d+)\.", row["layer"])
+        return int(match.group(1)) if match else row["index"]
+
+    fig, axes = plt.subplots(len(autos), 1, figsize=(9, 2.6 * len(autos)), squeeze=False)
+    for ax, r in zip(axes[:, 0], autos):
+        layers = r["rank_rows"]
+        kinds = list(dict.fromkeys(row["layer"].rsplit(".", 1)[-1] for row in layers))
+        for kind in kinds:
+            mine = [row for row in layers if row["layer"].rsplit(".", 1)[-1] == kind]
+            ax.plot([depth(row) for row in mine], [row["rank"] for row in mine], marker="o", ms=4, label=kind)
+        ax.axhline(layers[0]["start_rank"], color="grey", lw=0.8, ls="--", label="starting rank")
+        ax.set_title(
+            f"{r['method']} (lr {r['best_lr']:.2g}, seed 0): {r['rank_budget_values']:,} factor values", fontsize=9
+        )
+        ax.set_ylabel("rank")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[-1, 0].set_xlabel("decoder layer (depth)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def expert_rank_choice(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -455,6 +615,9 @@ def markdown(rows: list[dict[str, Any]], checks: list[dict[str, Any]], header: s
         chosen = f"expert_rank {choice['chosen']}" if choice["chosen"] is not None else "none of the ranks"
         lines += ["", f"Expert rank by the rule (the smallest within {EXPERT_RANK_RULE:.0%} of the better experts-unprojected "
                   f"row, here {choice['reference']}, held-out {choice['unprojected']:.4f}): {chosen} (held-out loss vs it: {gaps})."]  # fmt: skip
+    ranks = rank_table(rows)
+    if ranks:
+        lines += ["", "Dynamic rank (rank_allocation='auto'): each method at its best lr.", "", ranks.rstrip("\n")]
     if checks:
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {c['target']} | {c['measured']} | {'yes' if c['met'] else 'no'} |" for c in checks]
@@ -608,8 +771,11 @@ def write_report(
         title=f"Pre-training a {params / 1e6:.1f}M {'Qwen3-MoE' if size.moe else 'Llama'} on Shakespeare (best lr, seed 0)",
         ylabel="training loss, EMA 0.9 (x: mean held-out loss)",
     )
+    names = ["quality.md", "quality.json", "quality_curves.png"]
+    if plot_ranks(rows, args.out / "quality_ranks.png"):
+        names.append("quality_ranks.png")
     print("\n" + table)
-    for name in ("quality.md", "quality.json", "quality_curves.png"):
+    for name in names:
         print(f"wrote {args.out / name}")
 
 

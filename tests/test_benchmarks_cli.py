@@ -66,10 +66,31 @@ def test_quality_quick_trains_every_method(tmp_path):
     by_method = {r["method"]: r for r in summary["runs"]}
     # QLoRA's frozen base is NF4: its weights take less memory than LoRA's fp32 base at the same rank
     assert by_method["qlora_nf4"]["state_bytes"]["weights"] < by_method["lora_matched"]["state_bytes"]["weights"]
-    assert {c["target"].split(" ")[0] for c in summary["targets"]} == {"ours", "qgalore_adamw_8bit"}
+    assert {c["target"].split(" ")[0] for c in summary["targets"]} == {
+        "ours", "qgalore_adamw_8bit", "galore_adamw_rank_auto", "galore_adamw_rank_auto_075",
+    }  # fmt: skip
     assert all(isinstance(c["met"], bool) for c in summary["targets"])
     assert_drawn_png(tmp_path / "quality_curves.png")
     assert "| galore_torch |" in (tmp_path / "quality.md").read_text()
+    # Dynamic rank: the uniform rank's factor values are the budget (0.75 x for _075); the allocated ranks were
+    # taken (every layer refreshed again after the calibration) and stay within the budget and the bounds.
+    uniform, auto, auto_075 = (
+        by_method[m] for m in ("galore_adamw", "galore_adamw_rank_auto", "galore_adamw_rank_auto_075")
+    )
+    assert uniform["factor_values"] == uniform["uniform_budget_values"] == uniform["rank_budget_values"]
+    assert set(uniform["layer_ranks"]) == {16} and uniform["rank_rows"] == []  # no rank report without 'auto'
+    assert auto["rank_budget_values"] == uniform["factor_values"]
+    assert auto_075["rank_budget_values"] == 0.75 * uniform["factor_values"]
+    layers = len(uniform["layer_ranks"])
+    for run in (auto, auto_075):
+        assert run["factor_values"] <= run["rank_budget_values"], run["method"]
+        assert run["refreshes"] >= 2 * layers, run["method"]
+        assert len(run["rank_rows"]) == layers and len(set(run["layer_ranks"])) > 1, run["method"]
+        assert all(row["current_rank"] == row["rank"] and 4 <= row["rank"] <= 32 for row in run["rank_rows"])
+        assert sorted(row["rank"] for row in run["rank_rows"]) == sorted(run["layer_ranks"])
+        assert "rank_allocation=auto" in run["note"], run["method"]
+    assert "| galore_adamw_rank_auto_075 | 18,816 (0.07) | 0.75x |" in (tmp_path / "quality.md").read_text()
+    assert_drawn_png(tmp_path / "quality_ranks.png")
 
 
 def test_quality_quick_moe_projects_the_experts_at_each_expert_rank(tmp_path):
@@ -283,6 +304,22 @@ def test_refresh_cost_quick_times_a_refresh_and_an_ordinary_step_per_basis_metho
             assert all(_finite(part["thread_s"]) for part in row[step].values() if isinstance(part, dict)), method
     assert _finite(result["dense"]["forward_backward"]["thread_s"], result["dense"]["adamw_step"]["thread_s"])
     assert "| sketch |" in (tmp_path / "refresh_cost.md").read_text()
+
+
+def test_rank_cost_quick_times_the_calibration_and_an_ordinary_step_uniform_and_auto(tmp_path):
+    _run([sys.executable, "benchmarks/rank_cost.py", "--quick", "--out", str(tmp_path)], tmp_path)
+    result = json.loads((tmp_path / "rank_cost.json").read_text())
+    assert result["threads"] == 1 and list(result["medians"]) == ["aligned", "staggered"]
+    for schedule, by in result["medians"].items():
+        assert list(by) == ["uniform", "auto"]
+        for config, m in by.items():
+            assert _finite(*m.values()) and all(v > 0 for v in m.values()), (schedule, config)
+            assert len(result["runs"][schedule][config]) == 2  # the repetitions, warm-up excluded
+        # aligned: every layer calibrates at step 0; staggered: over several steps
+        assert (by["uniform"]["calibration_steps"] == 1) == (schedule == "aligned")
+        assert set(result["ranks"][schedule]["uniform"]) == {16} and len(set(result["ranks"][schedule]["auto"])) > 1
+    text = (tmp_path / "rank_cost.md").read_text()
+    assert "| aligned | auto / uniform |" in text and "| staggered | auto |" in text
 
 
 def test_step_spikes_quick_sees_every_calibration_and_refresh_of_a_cycle(tmp_path):
