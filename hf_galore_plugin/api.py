@@ -306,7 +306,10 @@ def create_optimizer(
     """AdamW (fp32 or 8-bit state per `config`) over every trainable parameter of a prepared model, or
     Adafactor with ``config.inner_optimizer='adafactor'`` (the ``galore_adafactor`` preset: `lr` is its fixed
     step size, relative_step and scale_parameter off as transformers' galore_adafactor passes them; `betas` and
-    `eps` are Adam's and are not used, Adafactor's options are the config's ``adafactor_*`` fields).
+    `eps` are Adam's and are not used, Adafactor's options are the config's ``adafactor_*`` fields), or Muon on
+    the factors and AdamW (`betas`, `eps`) on the other parameters with ``config.inner_optimizer='muon'`` (the
+    ``galore_muon`` preset: `lr` is an AdamW rate, Muon's step is RMS-matched to AdamW's; its options are the
+    config's ``muon_*`` fields).
 
     `param_groups` (e.g. a decay / no-decay split) replaces the default single group of all
     trainable parameters with ``weight_decay``.
@@ -361,6 +364,21 @@ def create_optimizer(
             weight_decay=weight_decay,
             scale_parameter=False,
             relative_step=False,
+        )
+        install_base_decay_hook(optimizer, model)
+        return optimizer
+    if config.inner_optimizer == "muon":
+        from .optim.muon import Muon
+
+        optimizer = Muon(
+            galore_param_groups(model, param_groups, config, eps=eps),
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=config.muon_momentum,
+            nesterov=config.muon_nesterov,
+            ns_steps=config.muon_ns_steps,
+            betas=betas,
+            eps=eps,
         )
         install_base_decay_hook(optimizer, model)
         return optimizer

@@ -35,7 +35,7 @@ LOG_KEYS = ("brief", "full")
 WEIGHT_STORAGE = ("as_loaded", "int8", "nf4")
 BASIS_STORAGE = ("as_computed", "int8", "int4")
 STATE_OFFLOAD = ("none", "cpu")
-INNER_OPTIMIZERS = ("adamw", "adafactor")
+INNER_OPTIMIZERS = ("adamw", "adafactor", "muon")
 _OPTIONAL_INTS = (
     "max_proj_gap",
     "weight_group_size",
@@ -192,7 +192,10 @@ class GaLoreConfig:
         "galore_adafactor runs it: a factored second moment, m + r values for an m x r factor instead of Adam's "
         "2 m r; update clipping; the step size is the learning rate, relative_step and scale_parameter off). "
         "With 'adafactor', state_bits=8, error_feedback, state_offload='cpu' and residual are refused (AdamW's); "
-        "it runs in one process and under DDP, and is refused under FSDP1, FSDP2 and DeepSpeed ZeRO.",
+        "it runs in one process and under DDP, and is refused under FSDP1, FSDP2 and DeepSpeed ZeRO. 'muon' "
+        "(galore_muon: torch.optim.Muon's rule on the factors, momentum orthogonalised by Newton-Schulz, the step "
+        "RMS-matched to AdamW's so an AdamW rate carries over; AdamW on every other parameter; one m x r fp32 "
+        "momentum per factor, half of Adam's state) has the same limits as 'adafactor'.",
         default="adamw",
     )
     adafactor_beta1: Optional[float] = _help(
@@ -208,6 +211,20 @@ class GaLoreConfig:
         "inner_optimizer='adafactor' only: the second moment's decay beta2_t = 1 - t ** decay_rate at step t "
         "(Adafactor: -0.8; must be < 0).",
         default=-0.8,
+    )
+    muon_momentum: float = _help(
+        "inner_optimizer='muon' only: the momentum coefficient mu in [0, 1) (torch.optim.Muon: 0.95).",
+        default=0.95,
+    )
+    muon_nesterov: bool = _help(
+        "inner_optimizer='muon' only: orthogonalise the Nesterov blend (1 - mu) g + mu M instead of the momentum M "
+        "(torch.optim.Muon: True).",
+        default=True,
+    )
+    muon_ns_steps: int = _help(
+        "inner_optimizer='muon' only: Newton-Schulz iterations of the orthogonalisation, in [1, 100) "
+        "(torch.optim.Muon: 5).",
+        default=5,
     )
     state_bits: int = _help("Optimizer state precision: 32 (fp32 moments) or 8 (8-bit blockwise).", default=32)
     state_block_size: int = _help("Block size of the 8-bit optimizer state (power of two).", default=256)
@@ -473,9 +490,23 @@ class GaLoreConfig:
             raise bad("adafactor_clip_threshold", "use a positive RMS bound (Adafactor: 1.0)")
         if not self.adafactor_decay_rate < 0:
             raise bad("adafactor_decay_rate", "use a negative exponent (Adafactor: -0.8)")
+        momentum = self.muon_momentum
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise bad("muon_momentum", "use a float in [0, 1) (torch.optim.Muon: 0.95)")
+        if not isinstance(self.muon_nesterov, bool):
+            raise bad("muon_nesterov", "use True (torch.optim.Muon's default) or False")
+        steps = self.muon_ns_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
+            raise bad("muon_ns_steps", "use an integer in [1, 100) (torch.optim.Muon: 5)")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        if self.inner_optimizer != "adafactor":
-            for name in ("adafactor_beta1", "adafactor_clip_threshold", "adafactor_decay_rate"):
+        options = {
+            "adafactor": ("adafactor_beta1", "adafactor_clip_threshold", "adafactor_decay_rate"),
+            "muon": ("muon_momentum", "muon_nesterov", "muon_ns_steps"),
+        }
+        for owner, names in options.items():
+            if self.inner_optimizer == owner:
+                continue
+            for name in names:
                 if getattr(self, name) != defaults[name]:
                     raise bad(name, f"it is an option of {owner.capitalize()}: set inner_optimizer={owner!r} (the "
                               f"galore_{owner} preset), or drop it")  # fmt: skip
@@ -597,6 +628,8 @@ class GaLoreConfig:
         (Q-GaLore, Zhang et al. 2024).
         ``galore_adafactor``: Adafactor on the factors and the other parameters (factored second moment:
         ``inner_optimizer='adafactor'``), as transformers' ``galore_adafactor``.
+        ``galore_muon``: Muon on the factors (``inner_optimizer='muon'``: torch.optim.Muon's rule, RMS-matched to
+        AdamW), AdamW on the other parameters.
         """
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
@@ -628,6 +661,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "galore_adamw": {},
     "galore_adamw_8bit": {"state_bits": 8},
     "galore_adafactor": {"inner_optimizer": "adafactor"},
+    "galore_muon": {"inner_optimizer": "muon"},
     "qgalore_adamw_8bit": {
         "state_bits": 8,
         "weight_storage": "int8",
