@@ -325,7 +325,7 @@ def test_optim_args_transformers_keys_and_ours_are_typed():
     "optim_args, pattern",
     [
         ("rnak=8", r"unknown optim_args key 'rnak' \(value '8'\).*accepted keys: .*rank"),
-        ("rank=8.5", r"key 'rank' has a bad value '8.5'.*expected int"),
+        ("rank=8.5", r"key 'rank' has a bad value '8.5'.*expected int or 'auto'"),
         ("lazy_refresh=maybe", r"key 'lazy_refresh' has a bad value 'maybe'.*true/false"),
         ("proj_type=diagonal", r"proj_type='diagonal'.*choose one of"),
         ("rank=0", r"rank=0.*positive rank"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import types
 import typing
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from ..config import GaLoreConfig
 
@@ -63,7 +63,7 @@ def _split_pairs(optim_args: str) -> list[tuple[str, str]]:
 
 def _field_types() -> dict[str, Any]:
     types_ = typing.get_type_hints(GaLoreConfig)
-    types_["rank"] = Union[int, str]  # GaLoreConfig.rank also takes 'auto' (rank_allocation='auto' at rank 128)
+    types_["rank"] = Union[int, Literal["auto"]]  # GaLoreConfig.rank also takes 'auto' (rank_allocation='auto')
     return types_
 
 
@@ -73,6 +73,8 @@ def _accepted(field_type: Any) -> str:
         return " or ".join(_accepted(arg) for arg in typing.get_args(field_type))
     if field_type is type(None):
         return "none"
+    if origin is Literal:
+        return " or ".join(repr(arg) for arg in typing.get_args(field_type))
     if field_type is bool:
         return "true/false"
     if field_type is list:
@@ -89,13 +91,18 @@ def _convert(value: str, field_type: Any) -> Any:
             return None
         # the most specific reading first: a bool or int before a float, a list before a string; one name
         # without the separator is a string where a string is accepted (a regex), else a list of one
-        for arg in sorted((a for a in args if a is not type(None)), key=[bool, int, float, list, str].index):
+        order = [bool, int, float, list, str]
+        for arg in sorted((a for a in args if a is not type(None)), key=lambda a: order.index(a) if a in order else 5):
             if arg is list and LIST_SEPARATOR not in value and str in args:
                 continue
             try:
                 return _convert(value, arg)
             except (TypeError, ValueError):
                 continue
+        raise ValueError(value)
+    if origin is Literal:
+        if value in typing.get_args(field_type):
+            return value
         raise ValueError(value)
     if field_type is bool:
         if value.lower() in _TRUE:
