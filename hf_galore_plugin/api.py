@@ -90,8 +90,25 @@ def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
     except BaseException:
         disable_chunked_loss(model)
         raise
+    _start_within_budget(list(iter_galore_layers(model)))
     record_state(model, config, report)
     return model
+
+
+def _start_within_budget(layers: list[tuple[str, GaLoreLinear]]) -> None:
+    """rank_allocation='auto' with a rank_budget: every adaptive layer starts at the one rank whose values fit the
+    budget (within its bounds), so the factors hold no more than the budget before the allocation either."""
+    adaptive = [layer for _, layer in layers if layer._adaptive is not None]
+    if not adaptive or adaptive[0].config.rank_budget is None:
+        return
+    per_rank = sum(layer._adaptive.cost for layer in adaptive)  # type: ignore[union-attr]
+    start = rank_budget(layers) // per_rank
+    for layer in adaptive:
+        state = layer._adaptive
+        assert state is not None
+        state.start = min(max(start, state.low), state.high)
+        if state.start != layer_rank.current_rank(layer):
+            layer_rank.resize(layer, state.start)
 
 
 def galore_layers(model: nn.Module) -> list[tuple[str, GaLoreLinear]]:
@@ -547,7 +564,7 @@ def _spectrum(layer: GaLoreLinear) -> LayerSpectrum:
 
 def rank_budget(layers: list[tuple[str, GaLoreLinear]]) -> int:
     """The factor values `layers` (the adaptive ones of a model) may hold together: GaLoreConfig.rank_budget, or
-    the values of their starting (uniform) ranks."""
+    the values of `rank` in every one of them."""
     adaptive = [(layer, layer._adaptive) for _, layer in layers if layer._adaptive is not None]
     if not adaptive:
         return 0

@@ -84,8 +84,8 @@ class GaLoreConfig:
         "'uniform' (default): every targeted layer at `rank`. 'auto': each layer's rank chosen from the spectrum "
         "of its calibration gradient, so that the layers' subspaces capture the most gradient energy within "
         "rank_budget (default: the factor values of `rank` in every layer, so memory is what the uniform rank "
-        "plans); layers start at `rank` and take their own at their next refresh after every layer has "
-        "calibrated. One process only (the factors change shape); expert stacks keep expert_rank. A path to a "
+        "plans); layers start at `rank` (with a rank_budget: at the one rank whose values fit it) and take their "
+        "own at their next refresh after every layer has calibrated. One process only (the factors change shape); expert stacks keep expert_rank. A path to a "
         "'.json' file: the ranks that file holds, fixed from the start (the galore_ranks.json an 'auto' run writes "
         "(save_rank_report), or {layer name: rank}); every engine runs them.",
         default="uniform",

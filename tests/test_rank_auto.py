@@ -173,6 +173,9 @@ def test_allocation_respects_budget_and_bounds_and_is_taken_at_the_next_refresh(
 
 def test_explicit_budget_in_bytes():
     model, opt = _prepared(_config(rank_budget="4KiB"))  # 1024 fp32 values
+    # the layers start within the budget too: at the one rank whose values fit (1024 // (3 x 64 + 128) = 3)
+    assert set(_ranks(model).values()) == {3}
+    assert sum(layer.galore_factor.numel() for _, layer in hgp.galore_layers(model)) <= 1024
     _train(model, opt, 1)
     layers = hgp.galore_layers(model)
     spent = sum(layer._adaptive.cost * layer._adaptive.target for _, layer in layers)
@@ -337,8 +340,11 @@ def test_planner_plans_auto_at_its_budget(tmp_path):
     # total (fp32) and its target rank (int64)
     assert auto["peak_bytes"] - uniform["peak_bytes"] == 14 * (16 * 4 + 4 + 8)
     assert auto["refresh_peak_bytes"] >= uniform["refresh_peak_bytes"]  # calibration records up to rank_max
-    larger = estimate(**common, optim_args="rank_allocation=auto,rank_budget=100000")["methods"]["galore_adamw"]
-    assert any("plan with rank =" in note for note in larger["notes"])
+    # an explicit budget: the layers start at the rank whose values it holds (640 values per unit of rank in each
+    # decoder layer: q, k, v, o 64 each, gate and up 128 each, down 128; 16000 // 1280 = 12), and are planned there
+    larger = estimate(**common, optim_args="rank_allocation=auto,rank_budget=16000")["methods"]["galore_adamw"]
+    assert any("planned at the starting rank 12 (15,360 factor values" in note for note in larger["notes"])
+    assert larger["peak_bytes"] > auto["peak_bytes"]
 
 
 def test_trainer_resume_across_the_change_of_rank_is_bit_exact(tmp_path):

@@ -538,27 +538,21 @@ class _Roles:
 
 
 def _auto_rank_note(model, config) -> str:
-    """How a plan of rank_allocation='auto' stands for the run: the trace keeps every layer at the starting rank
+    """How a plan of rank_allocation='auto' stands for the run: the trace keeps every layer at its starting rank
     (a traced spectrum has no values to allocate from), with the calibration's wider sketches."""
     from ..api import galore_layers, rank_budget
 
     layers = galore_layers(model)
-    budget = rank_budget(layers)
-    start = sum(layer._adaptive.cost * layer._adaptive.start for _, layer in layers if layer._adaptive is not None)
-    low, high = config.effective_rank_bounds
-    note = (
-        f"rank_allocation='auto': planned at the starting rank {config.rank} in every layer ({start:,} factor "
-        f"values); calibration records sketched at up to rank_max={high} (+ oversampling). The allocation keeps "
-        f"the factors and their optimizer state within the budget of {budget:,} values, so the peak follows the "
-        f"total, not the split"
+    states = [layer._adaptive for _, layer in layers if layer._adaptive is not None]
+    values = sum(state.cost * state.start for state in states)
+    starts = sorted({state.start for state in states})
+    high = max(state.high for state in states)
+    return (
+        f"rank_allocation='auto': planned at the starting rank {'/'.join(map(str, starts))} ({values:,} factor "
+        f"values, within the budget of {rank_budget(layers):,}); calibration records sketched at up to "
+        f"rank_max={high} (+ oversampling). The allocation keeps the factors and their optimizer state within the "
+        "budget, so the peak follows the total, not the split"
     )
-    if budget > start:
-        note += (
-            f"; this rank_budget is {budget / start:.2f}x the starting ranks' values: the factor and optimizer "
-            f"state parts grow by up to that factor once the layers take their ranks (plan with rank = "
-            f"{config.rank * budget // start} for that)"
-        )
-    return note
 
 
 def trace_method(config, method: str, settings: Settings, *, fake: bool = True) -> MethodTrace:
