@@ -98,14 +98,11 @@ def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
 def _start_within_budget(layers: list[tuple[str, GaLoreLinear]]) -> None:
     """rank_allocation='auto' with a rank_budget: every adaptive layer starts at the one rank whose values fit the
     budget (within its bounds), so the factors hold no more than the budget before the allocation either."""
-    adaptive = [layer for _, layer in layers if layer._adaptive is not None]
-    if not adaptive or adaptive[0].config.rank_budget is None:
+    adaptive = [(layer, layer._adaptive) for _, layer in layers if layer._adaptive is not None]
+    if not adaptive or adaptive[0][0].config.rank_budget is None:
         return
-    per_rank = sum(layer._adaptive.cost for layer in adaptive)  # type: ignore[union-attr]
-    start = rank_budget(layers) // per_rank
-    for layer in adaptive:
-        state = layer._adaptive
-        assert state is not None
+    start = rank_budget(layers) // sum(state.cost for _, state in adaptive)
+    for layer, state in adaptive:
         state.start = min(max(start, state.low), state.high)
         if state.start != layer_rank.current_rank(layer):
             layer_rank.resize(layer, state.start)
