@@ -379,9 +379,7 @@ def create_optimizer(
             scale_parameter=False,
             relative_step=False,
         )
-        install_base_decay_hook(optimizer, model)
-        return optimizer
-    if config.inner_optimizer == "muon":
+    elif config.inner_optimizer == "muon":
         from .optim.muon import Muon
 
         optimizer = Muon(
@@ -394,20 +392,18 @@ def create_optimizer(
             betas=betas,
             eps=eps,
         )
-        install_base_decay_hook(optimizer, model)
-        return optimizer
-    groups = galore_param_groups(model, param_groups, config, eps=eps)
-    optimizer = AdamW(
-        groups,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        state_bits=config.state_bits,
-        block_size=config.state_block_size,
-        error_feedback=config.error_feedback,
-        state_offload=config.state_offload,
-    )
+    else:
+        optimizer = AdamW(
+            galore_param_groups(model, param_groups, config, eps=eps),
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            state_bits=config.state_bits,
+            block_size=config.state_block_size,
+            error_feedback=config.error_feedback,
+            state_offload=config.state_offload,
+        )
     install_base_decay_hook(optimizer, model)
     return optimizer
 
