@@ -1,8 +1,10 @@
 """Causal-LM fine-tuning: does a GaLore preset at AdamW's learning rate give AdamW's model (issue 36)?
 
-    python benchmarks/finetune_clm.py              # CPU default: 13 methods, rate sweeps, 3 seeds, ~35 min, 1 thread
+    python benchmarks/finetune_clm.py              # CPU default: 19 methods, rate sweeps, 3 seeds, 1 thread
     python benchmarks/finetune_clm.py --quick      # smoke run: tiny model, 12 steps, one rate, one seed, all methods
     python benchmarks/finetune_clm.py --no-sweep --seeds 1     # every method once, at AdamW's first rate
+    python benchmarks/finetune_clm.py --drop-in-only --galore-gap 24   # AdamW's sweep, then (a) only; with the
+                                                   # rank_allocation='auto' rows, which need a gap <= steps / 3
     python benchmarks/finetune_clm.py --size 20m --device cuda    # GPU sizes (also: 50m)
     python benchmarks/finetune_clm.py --resume     # continue an interrupted run from --out's runs.jsonl
     python benchmarks/finetune_clm.py --from-runs outputs/finetune_clm/runs.jsonl   # report from finished runs
@@ -46,13 +48,22 @@ where a method freezes some):
                    (_common.NF4FrozenLinear) and dequantized in the forward; embeddings, norms and the head stay fp32
                    and frozen, as peft + bitsandbytes' QLoRA leaves them. (bitsandbytes' own 4-bit layers are not
                    used: this is the same storage format on any device.)
-  galore_adamw_r<R>, galore_adamw_8bit_r<R>, qgalore_adamw_8bit_r<R>, galore_adamw_residual_r<R> (residual=True)
+  galore_adamw_r<R>, galore_adamw_8bit_r<R>, qgalore_adamw_8bit_r<R>, galore_muon_r<R>,
+  galore_adamw_residual_r<R> (residual=True), galore_adamw_rank_auto_r<R> (rank_allocation='auto')
                    our presets through the plain API (prepare_model, create_optimizer, after_step after every
                    optimizer step; a layer calibrates, i.e. computes its first basis, at the step of its
                    refresh phase) at rank R = hidden/16, hidden/8, hidden/4; every GaLoreConfig field at its
                    default (scale 'auto', update_proj_gap 200, targets: every attention and MLP projection),
                    and the GaLore groups' rate times lr_scale 0.85, as the Trainer integration applies it.
-                   Embeddings, norms and head train with the presets' AdamW (8-bit state for the 8-bit presets).
+                   Embeddings, norms and head train with the presets' AdamW (8-bit state for the 8-bit presets;
+                   galore_muon steps the factors by Muon, RMS-matched to AdamW, and the rest by AdamW).
+                   rank_allocation='auto' gives each layer a rank from its calibration gradient's spectrum within
+                   the factor values of uniform rank R (bounds R // 4 and 2 R); a layer takes it at its first
+                   refresh after every layer has calibrated, so these rows need a gap short enough for that
+                   refresh and one more within the run (3 x gap <= steps; at the CPU size's 72 steps the default
+                   gap 200 never refreshes): without one they are left out of the default list and refused when
+                   named. --galore-gap sets the gap of every GaLore row alike. Each run records its refresh steps
+                   and, for 'auto', hf_galore_plugin.rank_report's rows (allocated and current rank per layer).
 
 Protocol (rates on one x3 lattice, chosen on dev by the lowest dev answer loss, never on test):
   1. AdamW at 3.3e-4, 1e-3, 3e-3 (seed 0), extended by x3 steps while the best is at an end of the grid.
@@ -82,6 +93,7 @@ import math
 import pathlib
 import random
 import re
+import statistics
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -96,10 +108,14 @@ import _models  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
-# Fira's residual (GaLoreConfig.residual=True) on the plain preset: "<preset><RESIDUAL>_r<R>".
+PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "galore_muon")
+# Variants of the plain preset, "<preset><suffix>_r<R>", each one GaLoreConfig change: Fira's residual, and
+# per-layer ranks from the calibration gradients' spectra within the factor values of uniform rank R
+# (rank_allocation='auto'; bounds at their defaults, R // 4 and 2 R).
 RESIDUAL = "_residual"
-RESIDUAL_PRESETS = ("galore_adamw",)
+RANK_AUTO = "_rank_auto"
+VARIANTS = {RESIDUAL: (("residual", True),), RANK_AUTO: (("rank_allocation", "auto"),)}
+VARIANT_PRESETS = ("galore_adamw",)
 RANK_DIVISORS = (16, 8, 4)  # GaLore ranks hidden / 16, hidden / 8, hidden / 4
 BASELINES = ("adamw", "bnb_adamw8bit", "lora_r16", "qlora_nf4_r16")
 LORA_RANK = 16
@@ -176,16 +192,37 @@ SIZES = {
 
 def methods_of(size: Size) -> tuple[str, ...]:
     ranks = [size.hidden // d for d in RANK_DIVISORS]
-    presets = PRESETS + tuple(p + RESIDUAL for p in RESIDUAL_PRESETS)
+    presets = PRESETS + tuple(p + suffix for suffix in VARIANTS for p in VARIANT_PRESETS)
     return BASELINES + tuple(f"{p}_r{r}" for p in presets for r in ranks)
+
+
+def split_method(method: str) -> tuple[str, str, Optional[int]]:
+    """(the _common method that trains `method`, its variant suffix or "", its GaLore rank or None)."""
+    match = re.fullmatch(r"(.+)_r(\d+)", method)
+    if match:
+        name = match.group(1)
+        suffix = next((s for s in VARIANTS if name.endswith(s) and name.removesuffix(s) in VARIANT_PRESETS), "")
+        if name.removesuffix(suffix) in PRESETS:
+            return name.removesuffix(suffix), suffix, int(match.group(2))
+    return BASELINE_KIND[method], "", None
 
 
 def resolve(method: str) -> tuple[str, Optional[int]]:
     """(the _common method that trains `method`, its GaLore rank or None)."""
-    match = re.fullmatch(r"(.+)_r(\d+)", method)
-    if match and match.group(1).removesuffix(RESIDUAL) in PRESETS:
-        return match.group(1).removesuffix(RESIDUAL), int(match.group(2))
-    return BASELINE_KIND[method], None
+    kind, _, rank = split_method(method)
+    return kind, rank
+
+
+def is_rank_auto(method: str) -> bool:
+    return method not in BASELINE_KIND and split_method(method)[1] == RANK_AUTO
+
+
+def allocation_acts(gap: int, steps: int) -> bool:
+    """Whether rank_allocation='auto' takes effect within a run of `steps` steps at update_proj_gap `gap`, with
+    a refresh after it. Staggered phases are below the gap, so every layer calibrates before step `gap`, the
+    ranks are allocated once the last one has, each layer takes its rank at its next refresh (before 2 x gap)
+    and refreshes once more before 3 x gap: 3 x gap <= steps is enough. Each run records what happened."""
+    return 3 * gap <= steps
 
 
 # ---------------------------------------------------------------------- text and task
@@ -411,20 +448,20 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     size = Size(**job["size"])
     device = torch.device(job["device"])
     data = cached_load(job["data"])
-    kind, rank = resolve(job["method"])
+    kind, variant, rank = split_method(job["method"])
     model = load_base(job["base"], size, job["vocab_size"], device)
-    from hf_galore_plugin import GaLoreConfig, state_of
+    from hf_galore_plugin import GaLoreConfig, galore_layers, state_of
 
     defaults = GaLoreConfig()
     setup = _common.MethodSetup(
         targets_regex=TARGETS, extra_trainable=NOTHING, galore_rank=rank or 0,
         galore_gap=job["gap"] or defaults.update_proj_gap, galore_scale=job["scale"] or defaults.scale,
         lora_rank=LORA_RANK, lora_matched_rank=LORA_RANK,
-        galore_overrides=(("residual", True),) if RESIDUAL + "_r" in job["method"] else (),
+        galore_overrides=VARIANTS.get(variant, ()),
     )  # fmt: skip
     torch.manual_seed(job["seed"])  # LoRA's initialisation
     started = time.perf_counter()
-    model, optimizer, after_step = _common.setup_method(kind, model, setup, lr=job["lr"])
+    model, optimizer, after_step = setup_method(kind, model, setup, lr=job["lr"])
     steps = size.steps
     schedule = _common.warmup_cosine(steps, warmup_fraction=0.1, final_ratio=0.0)
     galore_state = state_of(model)
@@ -443,6 +480,10 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1000 + job["seed"])
     order = torch.cat([torch.randperm(n, generator=generator) for _ in range(size.epochs)])
     losses, state_bytes, diverged = [], {}, False
+    layers = galore_layers(model)
+    refreshes: dict[str, list[int]] = {name: [] for name, _ in layers}  # the steps at which each layer refreshed
+    counted = {name: 0 for name, _ in layers}
+    rank_rows: list[dict[str, Any]] = []
     for step in range(steps):
         rows = order[step * size.batch_size : (step + 1) * size.batch_size].tolist()
         ids, mask, labels = collate([train["prompt"][i] for i in rows], [train["answer"][i] for i in rows], data["pad"])
@@ -451,8 +492,13 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         after_step()
+        for name, layer in layers:
+            done = layer.counters().num_refreshes
+            refreshes[name] += [step] * (done - counted[name])
+            counted[name] = done
         if step == steps - 1:
             state_bytes = _models.training_state_bytes(model, optimizer)
+            rank_rows = rank_record(model)
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         losses.append(loss.item())
@@ -487,9 +533,79 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "generation_check": generation,
         "state_bytes": state_bytes,
         "training_state_bytes": training_state(state_bytes),
+        "refresh": refresh_record(refreshes, setup.galore_gap, steps) if layers else None,
+        "ranks": rank_rows or None,
         "train_seconds": train_seconds,
         "run_seconds": time.perf_counter() - started,
     }
+
+
+def refresh_record(refreshes: dict[str, list[int]], gap: int, steps: int) -> dict[str, Any]:
+    """When the GaLore layers refreshed: each layer's calibration is its first refresh; rank_allocation='auto'
+    allocates once every layer has calibrated (step `calibrated_by`), and a layer takes its rank at its first
+    refresh after that step (`rank_taken`); `refreshes_after` counts each layer's refreshes after that one."""
+    calibrated = [steps_of[0] for steps_of in refreshes.values() if steps_of]
+    calibrated_by = max(calibrated) if len(calibrated) == len(refreshes) else None
+    taken, after = [], []
+    for steps_of in refreshes.values():
+        later = [s for s in steps_of if calibrated_by is not None and s > calibrated_by]
+        taken.append(later[0] if later else None)
+        after.append(len(later) - 1 if later else -1)
+    counts = [len(s) for s in refreshes.values()]
+    return {"gap": gap, "steps": steps, "layers": len(refreshes), "refreshes_min": min(counts),
+            "refreshes_max": max(counts), "calibrated_by": calibrated_by,
+            "rank_taken_first": None if None in taken else min(taken),
+            "rank_taken_last": None if None in taken else max(taken),
+            "refreshes_after_rank_taken_min": min(after)}  # fmt: skip
+
+
+def rank_record(model) -> list[dict[str, Any]]:
+    """hf_galore_plugin.rank_report's rows of a rank_allocation='auto' run (empty otherwise): per layer the
+    allocated rank, the rank its factor has now, the gradient energy share they capture, the factor values."""
+    from hf_galore_plugin import rank_report
+
+    keys = ("layer", "shape", "start_rank", "rank", "current_rank", "min_rank", "max_rank", "share", "share_at_start",
+            "factor_values")  # fmt: skip
+    return [{key: row[key] for key in keys} for row in rank_report(model)]
+
+
+def rank_summary(run: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A rank_allocation='auto' run's ranks (min / median / max over the layers), the factor values they
+    spend, and whether the allocation acted: every layer's factor at its allocated rank, taken at a refresh
+    that another refresh followed."""
+    rows = run.get("ranks")
+    if not rows:
+        return None
+    ranks = sorted(row["rank"] for row in rows)
+    refresh = run["refresh"] or {}
+    return {
+        "min": ranks[0], "median": statistics.median(ranks), "max": ranks[-1], "start": rows[0]["start_rank"],
+        "factor_values": sum(row["factor_values"] for row in rows),
+        "uniform_values": sum(row["factor_values"] // row["rank"] * row["start_rank"] for row in rows),
+        "at_allocated_rank": all(row["current_rank"] == row["rank"] for row in rows),
+        "rank_taken": (refresh.get("rank_taken_first"), refresh.get("rank_taken_last")),
+        "refreshes_after": refresh.get("refreshes_after_rank_taken_min", -1),
+        "acted": all(row["current_rank"] == row["rank"] for row in rows)
+                 and refresh.get("refreshes_after_rank_taken_min", -1) >= 1,
+    }  # fmt: skip
+
+
+def setup_method(kind: str, model, setup: "_common.MethodSetup", *, lr: float):
+    """_common.setup_method, and the presets it does not build (those whose inner optimizer is not AdamW:
+    galore_muon) the same way: the preset with the run's rank, gap, scale and targets through prepare_model and
+    create_optimizer (weight decay 0, betas (0.9, 0.999), eps 1e-8), after_step after every optimizer step."""
+    if kind in _common.OURS or kind not in PRESETS:
+        return _common.setup_method(kind, model, setup, lr=lr)
+    from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, prepare_model
+
+    config = GaLoreConfig.preset(
+        kind, rank=setup.galore_rank, update_proj_gap=setup.galore_gap, scale=setup.galore_scale,
+        target_modules=setup.targets_regex, **dict(setup.galore_overrides),
+    )  # fmt: skip
+    model = prepare_model(model, config)
+    groups = _common.param_groups(model, setup, lr)
+    optimizer = create_optimizer(model, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, param_groups=groups)
+    return model, optimizer, lambda: after_step(model, optimizer)
 
 
 def training_state(parts: dict[str, int]) -> Optional[int]:
@@ -513,6 +629,11 @@ def describe(r: dict[str, Any]) -> str:
         if r["diverged"]
         else f"dev {r['dev_loss']:.3f} / {r['dev_exact_match']:.3f}  test {r['test_loss']:.3f} / {r['test_exact_match']:.3f}"
     )
+    ranks = rank_summary(r)
+    if ranks:
+        scores += (f"  ranks {ranks['min']} / {ranks['median']:g} / {ranks['max']} taken at steps "
+                   f"{ranks['rank_taken'][0]}-{ranks['rank_taken'][1]}, each layer refreshed {ranks['refreshes_after']}+ times after"
+                   + ("" if ranks["acted"] else " (ALLOCATION DID NOT ACT)"))  # fmt: skip
     return (
         f"  {r['method']:<24} lr {r['lr']:<9.3g} seed {r['seed']}  train {r['first_train_loss']:.3f} -> "
         f"{r['final_train_loss']:.3f}  {scores} (answer loss / exact match)  ({r['run_seconds']:.0f} s)"
@@ -576,13 +697,21 @@ def run_protocol(grid: Grid, methods: list[str], size: Size, args: argparse.Name
     print(f"2. drop-in: every method at AdamW's best rate {adamw_lr:.3g}, seeds {seeds}", flush=True)
     grid.run([(m, adamw_lr, seeds[0]) for m in others])
     grid.run([(m, adamw_lr, s) for s in seeds[1:] for m in methods])
+    if args.drop_in_only:
+        return
     print("3. own best rate: each method's sweep (seed 0), then its seeds at its best rate", flush=True)
     best = grid.sweep(others, center, {m: {adamw_k - 1, adamw_k, adamw_k + 1} for m in others}, adamw_k)
     grid.run([(m, lattice(center, best[m]), s) for s in seeds[1:] for m in others])
 
 
 # ---------------------------------------------------------------------- report
-def summarize(results: list[dict[str, Any]], methods: list[str], base: dict[str, Any], center: float) -> dict[str, Any]:
+def summarize(
+    results: list[dict[str, Any]], methods: list[str], base: dict[str, Any], center: float, own_rate: bool = True
+) -> dict[str, Any]:
+    """Per method: its seed-0 sweep, (a) its scores at AdamW's best rate and (b) at its own best rate (None
+    without `own_rate`: the drop-in table alone), the share of AdamW's gain each recovers, its state bytes and,
+    for rank_allocation='auto', each drop-in seed's ranks."""
+
     def runs_at(method: str, lr: float) -> list[dict[str, Any]]:
         found = [r for r in results if r["method"] == method and _common.same_lr(r["lr"], lr) and not r["diverged"]]
         return sorted(found, key=lambda r: r["seed"])
@@ -619,7 +748,7 @@ def summarize(results: list[dict[str, Any]], methods: list[str], base: dict[str,
         best = best_of(method)
         any_run = next((r for r in sweep if r["state_bytes"]), sweep[0])
         drop_in = scores(runs_at(method, adamw_lr)) if adamw_lr else None
-        own = scores(runs_at(method, best["lr"])) if best else None
+        own = scores(runs_at(method, best["lr"])) if best and own_rate else None
         lrs = [r["lr"] for r in sweep]
         rows.append({
             "method": method, "note": any_run["note"],
@@ -632,6 +761,8 @@ def summarize(results: list[dict[str, Any]], methods: list[str], base: dict[str,
             "trainable_params": any_run["trainable_params"], "state_bytes": any_run["state_bytes"],
             "training_state_bytes": any_run["training_state_bytes"],
             "seconds_per_run": _common.mean_spread([r["train_seconds"] for r in sweep])[0],
+            "refresh": any_run.get("refresh"),
+            "drop_in_ranks": [rank_summary(r) for r in runs_at(method, adamw_lr)] if is_rank_auto(method) else None,
             "train_losses_drop_in_seed0": (runs_at(method, adamw_lr) or [{}])[0].get("train_losses") if adamw_lr else None,
         })  # fmt: skip
     return {"adamw_lr": adamw_lr, "adamw": adamw, "gain": gain, "rows": rows}
@@ -732,6 +863,29 @@ def markdown(summary: dict[str, Any], base: dict[str, Any], checks: list[dict[st
             f"| {sweep} | {best} | {cell(b, 'loss', 3)}{count(b)} | {cell(b, 'em', 3)} | {pct(r['own_recovered'])} "
             f"| {r['seconds_per_run']:.0f} |"
         )
+    auto = [r for r in summary["rows"] if r.get("drop_in_ranks")]
+    if auto:
+        lines += [
+            "",
+            "rank_allocation='auto' at AdamW's rate, per seed: the allocated ranks over the GaLore layers (min / "
+            "median / max), the factor values they spend against uniform rank's, the steps at which the layers "
+            "took them (each at its first refresh after every layer calibrated) and the fewest refreshes any layer "
+            "made after that.",
+            "",
+            "| method | seed | ranks min / median / max | factor values (uniform's) | ranks taken at steps "
+            "| refreshes after | allocation acted |",
+            "|" + "---|" * 7,
+        ]
+        for r in auto:
+            for seed, k in zip(r["drop_in"]["seeds"] if r["drop_in"] else [], r["drop_in_ranks"]):
+                if k is None:
+                    lines.append(f"| {r['method']} | {seed} | not allocated | | | | no |")
+                    continue
+                lines.append(
+                    f"| {r['method']} | {seed} | {k['min']} / {k['median']:g} / {k['max']} "
+                    f"| {k['factor_values']:,} ({k['uniform_values']:,}) | {k['rank_taken'][0]}-{k['rank_taken'][1]} "
+                    f"| {k['refreshes_after']} | {'yes' if k['acted'] else '**no**'} |"
+                )
     if checks:
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {c['target']} | {c['measured']} | {'yes' if c['met'] else 'no'} |" for c in checks]
@@ -754,6 +908,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--base-cache", type=pathlib.Path, default=HERE.parent / "outputs" / "finetune_clm_base",
                         help="folder of pre-trained base models, one per setting (default outputs/finetune_clm_base)")  # fmt: skip
     parser.add_argument("--no-sweep", action="store_true", help="every method at AdamW's first rate only")
+    parser.add_argument("--drop-in-only", action="store_true",
+                        help="AdamW's sweep, then every method at AdamW's best rate (a); no own-rate sweeps (b)")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="keep --out's runs.jsonl and run only what is missing")
     parser.add_argument("--from-runs", type=pathlib.Path, help="no training: the report from a runs.jsonl")
     parser.add_argument("--galore-gap", type=int, help="GaLore update_proj_gap (default: GaLoreConfig's, 200)")
@@ -766,7 +922,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if not 1 <= args.seeds <= len(SEEDS):
         parser.error(f"--seeds must be between 1 and {len(SEEDS)}")
     known = methods_of(SIZES[args.size])
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()] or list(known)
+    explicit = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.methods = explicit or list(known)
     unknown = [m for m in args.methods if m not in known]
     if unknown:
         parser.error(f"--methods: unknown {unknown} at size {args.size}; choose from {','.join(known)}")
@@ -774,6 +931,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--methods must include adamw: every other method runs at its rate")
     if args.resume and args.from_runs:
         parser.error("--resume and --from-runs exclude each other")
+    from hf_galore_plugin import GaLoreConfig
+
+    size = SIZES[args.size]
+    gap = args.galore_gap or GaLoreConfig().update_proj_gap
+    auto = [m for m in args.methods if is_rank_auto(m)]
+    if auto and not allocation_acts(gap, size.steps):
+        if explicit:
+            parser.error(f"--methods {','.join(auto)}: rank_allocation='auto' would not act in {size.steps} steps at "
+                         f"update_proj_gap {gap} (ranks are taken at each layer's refresh after calibration); pass "
+                         f"--galore-gap {size.steps // 3} or less (it applies to every GaLore row)")  # fmt: skip
+        args.methods = [m for m in args.methods if m not in auto]
+        print(f"rank_allocation='auto' rows left out: at update_proj_gap {gap} they would not take their ranks in "
+              f"{size.steps} steps (--galore-gap {size.steps // 3} or less runs them)", flush=True)  # fmt: skip
     return args
 
 
@@ -826,7 +996,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def write_report(args, size: Size, results, base_meta, base_scores, seconds: float) -> None:
     methods = [m for m in methods_of(size) if any(r["method"] == m for r in results)]
-    summary = summarize(results, methods, base_scores, size.adamw_lr)
+    summary = summarize(results, methods, base_scores, size.adamw_lr, own_rate=not args.drop_in_only)
     checks = check_targets(summary)
     shape = _models.SHAPES[size.shape]
     adamw_params = next((r["trainable_params"] for r in results if r["method"] == "adamw"), 0)
@@ -842,7 +1012,12 @@ def write_report(args, size: Size, results, base_meta, base_scores, seconds: flo
         f"({sum(r['run_seconds'] for r in results) / 60:.1f} min in all), this invocation's wall time "
         f"{seconds / 60:.1f} min."
     )
-    if not args.no_sweep and not complete(summary, args.seeds):
+    gaps = sorted({r["refresh"]["gap"] for r in results if r.get("refresh")})
+    if gaps:
+        header += f" GaLore update_proj_gap {', '.join(map(str, gaps))}."
+    if args.drop_in_only:
+        header += " Drop-in table only (--drop-in-only): no own-rate sweeps, so the (b) columns are n/a."
+    elif not args.no_sweep and not complete(summary, args.seeds):
         header += (
             " **Partial grid** (reported from the runs that finished): a sweep or some seeds are missing; the "
             "counts in brackets say how many seeds each mean is over."

@@ -1,6 +1,9 @@
 """benchmarks/finetune_clm.py --quick runs end to end: every method gets a table row, fine-tuning lowers the
 answer loss, the loss counts answer tokens only, the teacher-forced exact match is what greedy decoding
-gives, and a second invocation reuses the cached base model instead of pre-training again.
+gives, and a second invocation reuses the cached base model instead of pre-training again. The second
+invocation runs rank_allocation='auto' at a gap short enough for the allocation to act (the quick size's 12
+steps at the default gap 200 never refresh, so the default list leaves those rows out and an explicit request
+is refused) and checks that every layer trains at its allocated rank within the uniform rank's factor values.
 
 The benchmark runs in subprocesses (importing it would set HF_GALORE_PLUGIN_NO_TAKEOVER=1 in this
 process), without TRITON_INTERPRET, as tests/test_benchmarks_cli.py runs the other benchmarks.
@@ -22,9 +25,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.benchmark
 
-# The quick size's methods: the four baselines and each preset (and galore_adamw with Fira's residual) at
-# ranks hidden / 16, / 8, / 4 of hidden 64.
-PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "galore_adamw_residual")
+# The quick size's methods at the default gap: the four baselines and each preset (and galore_adamw with Fira's
+# residual) at ranks hidden / 16, / 8, / 4 of hidden 64.
+PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "galore_muon", "galore_adamw_residual")
 METHODS = ["adamw", "bnb_adamw8bit", "lora_r16", "qlora_nf4_r16"] + [
     f"{preset}_r{rank}" for preset in PRESETS for rank in (4, 8, 16)
 ]
@@ -77,6 +80,7 @@ def test_finetune_clm_quick(tmp_path):
         [sys.executable, "benchmarks/finetune_clm.py", "--quick", "--out", str(out), "--base-cache", str(cache)]
     )
     assert "pre-training" in first.stdout and "reusing" not in first.stdout
+    assert "rank_allocation='auto' rows left out" in first.stdout
     summary = json.loads((out / "finetune_clm.json").read_text())
     table = (out / "finetune_clm.md").read_text()
     assert summary["base"]["reused"] is False
@@ -103,6 +107,8 @@ def test_finetune_clm_quick(tmp_path):
     # and LoRA holds gradients and state of its adapters only.
     state = {r["method"]: r["training_state_bytes"] for r in summary["methods"]}
     assert state["qgalore_adamw_8bit_r4"] < state["galore_adamw_r4"] < state["adamw"]
+    # Muon keeps one moment of each factor where AdamW keeps two; the other parameters step by AdamW in both.
+    assert state["galore_muon_r4"] < state["galore_adamw_r4"]
     assert (
         "residual=True" in runs["galore_adamw_residual_r4"]["note"]
         and state["galore_adamw_residual_r4"] < state["adamw"]
@@ -118,15 +124,40 @@ def test_finetune_clm_quick(tmp_path):
     assert all(all(row.values()) for row in checks["rows"]), checks["rows"]
     assert checks["uniform_loss"] == pytest.approx(math.log(50), rel=1e-5)
 
+    # rank_allocation='auto' asked for at a gap at which it cannot act is refused by name.
+    refused = subprocess.run(
+        [sys.executable, "benchmarks/finetune_clm.py", "--quick", "--methods", "adamw,galore_adamw_rank_auto_r4",
+         "--out", str(tmp_path / "refused"), "--base-cache", str(cache)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--galore-gap 4" in refused.stderr, refused.stderr[-2000:]
+
     # A second invocation finds the base in the cache: no pre-training, the same files, the same base scores.
+    # At gap 4 the layers calibrate in the first steps, take their allocated ranks at their next refresh and
+    # refresh again before step 12.
     weights = next(cache.glob("quick-*/model.pt"))
     written = weights.stat().st_mtime_ns
     again = out.parent / "again"
-    second = _run([sys.executable, "benchmarks/finetune_clm.py", "--quick", "--methods", "adamw", "--out", str(again),
-                   "--base-cache", str(cache)])  # fmt: skip
+    second = _run([sys.executable, "benchmarks/finetune_clm.py", "--quick", "--galore-gap", "4", "--methods",
+                   "adamw,galore_adamw_r4,galore_adamw_rank_auto_r4", "--out", str(again), "--base-cache", str(cache)])  # fmt: skip
     assert "reusing" in second.stdout and "pre-training" not in second.stdout
     repeat = json.loads((again / "finetune_clm.json").read_text())
     assert repeat["base"]["reused"] is True and weights.stat().st_mtime_ns == written
     assert len(list(cache.iterdir())) == 1
     assert repeat["base_scores"] == summary["base_scores"]
     assert repeat["runs"][0]["test_loss"] == runs["adamw"]["test_loss"]  # same base, batches and seed: same run
+    auto_runs = {r["method"]: r for r in repeat["runs"]}
+    uniform, auto = auto_runs["galore_adamw_r4"], auto_runs["galore_adamw_rank_auto_r4"]
+    assert uniform["ranks"] is None and uniform["refresh"]["gap"] == 4 and uniform["refresh"]["refreshes_min"] >= 3
+    assert not auto["diverged"] and auto["refresh"]["refreshes_after_rank_taken_min"] >= 1, auto["refresh"]
+    rows = auto["ranks"]
+    assert len(rows) == auto["refresh"]["layers"] == 14  # 2 layers x 7 projections
+    assert all(row["current_rank"] == row["rank"] and 1 <= row["rank"] <= 8 for row in rows), rows
+    assert len({row["rank"] for row in rows}) > 1  # the layers differ
+    assert sum(row["factor_values"] for row in rows) <= sum(row["factor_values"] // row["rank"] * 4 for row in rows)
+    method_row = next(r for r in repeat["methods"] if r["method"] == "galore_adamw_rank_auto_r4")
+    assert method_row["drop_in_ranks"][0]["acted"] is True
+    table = (again / "finetune_clm.md").read_text()
+    assert any(
+        line.startswith("| galore_adamw_rank_auto_r4 | 0 |") and line.endswith("| yes |") for line in table.splitlines()
+    )
