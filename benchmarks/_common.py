@@ -31,6 +31,8 @@ os.environ.setdefault("HF_GALORE_PLUGIN_NO_TAKEOVER", "1")
 from _models import preset_names  # noqa: E402
 
 OURS = preset_names()
+# Every preset, for what needs no Adam-state accounting (a step's time and measured peak: gpu_step.py).
+EVERY_PRESET = preset_names(every=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +197,7 @@ def setup_method(
         optimizer = GaLoreAdamW(_galore_torch_groups(model, setup), **common)
     elif method == "transformers_galore":
         optimizer = _transformers_galore(model, setup, lr)
-    elif method in OURS:
+    elif method in EVERY_PRESET:
         from hf_galore_plugin import GaLoreConfig, after_step as galore_after_step, create_optimizer, prepare_model
 
         config = GaLoreConfig.preset(

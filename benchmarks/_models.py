@@ -161,8 +161,9 @@ def build_qwen3_moe(shape: Shape, *, seed: int, device=None, dtype=None, **overr
     return model
 
 
-def preset_names() -> tuple[str, ...]:
-    """The optimizer presets hf_galore_plugin declares (GaLoreConfig.preset names), in its order.
+def preset_names(*, every: bool = False) -> tuple[str, ...]:
+    """The AdamW-based optimizer presets hf_galore_plugin declares (GaLoreConfig.preset names), in its order;
+    with `every`, all of them (Adafactor and Muon on the factor too).
 
     A function, not a constant: importing the plugin when this module loads would register its
     optimizer names before `_common` sets HF_GALORE_PLUGIN_NO_TAKEOVER."""
@@ -170,7 +171,7 @@ def preset_names() -> tuple[str, ...]:
 
     # The AdamW-based presets: the benchmarks' tables and their accounting (_models.training_state_bytes) are
     # those of Adam's state; galore_adafactor's rows are not in them yet.
-    return tuple(name for name in PRESETS if GaLoreConfig.preset(name).inner_optimizer == "adamw")
+    return tuple(name for name in PRESETS if every or GaLoreConfig.preset(name).inner_optimizer == "adamw")
 
 
 # ---------------------------------------------------------------------- byte accounting

@@ -48,7 +48,7 @@ run() {  # run LABEL TIMEOUT_S COMMAND...: log everything; a failure is recorded
 run "Triton kernels vs torch twins (compiled, not interpreted)" 150 env TRITON_INTERPRET=0 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_optim_triton.py
 run "quantization kernels" 120 "$PYTHON" benchmarks/quant.py --out "$OUT/quant"
 run "fused 8-bit AdamW kernel" 90 "$PYTHON" benchmarks/gpu_step.py kernel --out "$OUT"
-for method in adamw_fused adamw bnb_adamw8bit torchao_adamw8bit galore_torch galore_adamw galore_adamw_8bit qgalore_adamw_8bit; do
+for method in adamw_fused adamw bnb_adamw8bit torchao_adamw8bit galore_torch galore_adamw galore_adamw_8bit galore_adafactor galore_muon qgalore_adamw_8bit; do
   package=""
   case "$method" in
     bnb_adamw8bit) package=bitsandbytes ;;

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from _models import SHAPES, build_llama, llama_config  # noqa: E402
 
-STEP_METHODS = ("adamw", "adamw_fused", "bnb_adamw8bit", "torchao_adamw8bit", "galore_torch", *_common.OURS)
+STEP_METHODS = ("adamw", "adamw_fused", "bnb_adamw8bit", "torchao_adamw8bit", "galore_torch", *_common.EVERY_PRESET)
 
 
 def _sync(device: torch.device) -> None:
@@ -202,7 +202,7 @@ def step(args: argparse.Namespace) -> None:
 
 # Planner names of the step methods (hf_galore_plugin.plan).
 PLAN_METHODS = {"adamw": "adamw_torch", "adamw_fused": "adamw_torch", "bnb_adamw8bit": "adamw_8bit",
-                "galore_torch": "galore_torch", **{m: m for m in _common.OURS}}  # fmt: skip
+                "galore_torch": "galore_torch", **{m: m for m in _common.EVERY_PRESET}}  # fmt: skip
 
 
 def planned_peaks(shape: dict, rank: int, batch: int, seq: int) -> dict[str, tuple[int, int]]:

@@ -150,7 +150,7 @@ def test_finetune_quick_learns_the_task(tmp_path):
 
 
 def test_gpu_step_code_path_on_a_tiny_model(tmp_path):
-    for method in ("adamw_fused", "galore_torch", "qgalore_adamw_8bit"):
+    for method in ("adamw_fused", "galore_torch", "galore_muon", "qgalore_adamw_8bit"):
         started = time.perf_counter()
         _run([sys.executable, "benchmarks/gpu_step.py", "step", "--method", method, "--tiny", "--device", "cpu",
               "--out", str(tmp_path)], tmp_path)  # fmt: skip
@@ -162,6 +162,7 @@ def test_gpu_step_code_path_on_a_tiny_model(tmp_path):
     assert result["tokens_per_second"] * result["seconds_per_step"] == pytest.approx(result["batch"] * result["seq"])
     table = (tmp_path / "step.md").read_text()
     assert "| qgalore_adamw_8bit |" in table and "| galore_torch |" in table and "| galore_adamw | not run" in table
+    assert "| galore_muon |" in table  # every preset, Muon on the factor too
     assert "tokens/s vs adamw_fused" in table  # ratios against the strongest baseline that ran
 
 
