@@ -461,7 +461,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     torch.manual_seed(job["seed"])  # LoRA's initialisation
     started = time.perf_counter()
-    model, optimizer, after_step = setup_method(kind, model, setup, lr=job["lr"])
+    model, optimizer, after_step = _common.setup_method(kind, model, setup, lr=job["lr"])
     steps = size.steps
     schedule = _common.warmup_cosine(steps, warmup_fraction=0.1, final_ratio=0.0)
     galore_state = state_of(model)
@@ -588,24 +588,6 @@ def rank_summary(run: dict[str, Any]) -> Optional[dict[str, Any]]:
         "acted": all(row["current_rank"] == row["rank"] for row in rows)
                  and refresh.get("refreshes_after_rank_taken_min", -1) >= 1,
     }  # fmt: skip
-
-
-def setup_method(kind: str, model, setup: "_common.MethodSetup", *, lr: float):
-    """_common.setup_method, and the presets it does not build (those whose inner optimizer is not AdamW:
-    galore_muon) the same way: the preset with the run's rank, gap, scale and targets through prepare_model and
-    create_optimizer (weight decay 0, betas (0.9, 0.999), eps 1e-8), after_step after every optimizer step."""
-    if kind in _common.OURS or kind not in PRESETS:
-        return _common.setup_method(kind, model, setup, lr=lr)
-    from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, prepare_model
-
-    config = GaLoreConfig.preset(
-        kind, rank=setup.galore_rank, update_proj_gap=setup.galore_gap, scale=setup.galore_scale,
-        target_modules=setup.targets_regex, **dict(setup.galore_overrides),
-    )  # fmt: skip
-    model = prepare_model(model, config)
-    groups = _common.param_groups(model, setup, lr)
-    optimizer = create_optimizer(model, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, param_groups=groups)
-    return model, optimizer, lambda: after_step(model, optimizer)
 
 
 def training_state(parts: dict[str, int]) -> Optional[int]:
