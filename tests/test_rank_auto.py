@@ -371,3 +371,30 @@ def test_trainer_resume_across_the_change_of_rank_is_bit_exact(tmp_path):
     assert full_state.keys() == resumed_state.keys()
     for key in full_state:
         assert torch.equal(full_state[key], resumed_state[key]), key
+
+
+@pytest.mark.parametrize(
+    "preset, extra",
+    [
+        ("qgalore_adamw_8bit", {}),  # 8-bit state, INT8 W0, INT4 bases: the resize stores quantized zero bases
+        ("galore_adafactor", {}),  # factored second moment; its (eps1, eps2) follows the scale
+        ("galore_muon", {}),
+        ("galore_adamw", {"basis_method": "randomized"}),  # a dense record: the exact spectrum
+        ("galore_adamw", {"moment_handling": "project"}),
+        ("galore_adamw", {"state_offload": "cpu"}),
+    ],
+)
+def test_every_preset_takes_its_ranks_and_resumes_exactly(preset, extra):
+    config = hgp.GaLoreConfig.preset(preset, **{**dict(rank=8, rank_allocation="auto", update_proj_gap=4,
+                                                       refresh_schedule="aligned", target_modules=TARGETS), **extra})  # fmt: skip
+    model = hgp.prepare_model(_net(), config)
+    opt = hgp.create_optimizer(model, lr=3e-3)
+    _train(model, opt, 6)
+    assert {name: layer._adaptive.target for name, layer in hgp.galore_layers(model)} == _ranks(model)
+    assert set(_ranks(model).values()) != {8}
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    resumed = hgp.prepare_model(_net(seed=4), config)
+    resumed_opt = hgp.create_optimizer(resumed, lr=3e-3)
+    resumed.load_state_dict(saved_model)
+    resumed_opt.load_state_dict(saved_opt)
+    assert _train(resumed, resumed_opt, 4, start=6) == _train(model, opt, 4, start=6)
