@@ -275,6 +275,51 @@ def test_meta_device_reset_parameters_trains_like_a_cpu_prepared_model():
     assert _train(model) == expected
 
 
+@pytest.mark.parametrize("weight_storage", ["as_loaded", "int8"])
+def test_meta_device_moe_with_experts_init_weights_trains_like_a_cpu_prepared_model(weight_storage):
+    """The expert stacks of a Qwen3-MoE prepared on the meta device are initialised by the model's own rule for
+    the stock experts module (same draws, same order): training matches a model prepared after its init."""
+    config = hgp.GaLoreConfig(rank=8, experts=True, expert_rank=4, update_proj_gap=2, weight_storage=weight_storage)
+    shape = _tiny_moe().config
+    with torch.device("meta"):
+        reference = transformers.Qwen3MoeForCausalLM(shape)
+    reference.to_empty(device="cpu")
+    torch.manual_seed(3)
+    reference.init_weights()
+    expected = _lm_losses(hgp.prepare_model(reference, config))
+
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(shape)
+    hgp.prepare_model(model, config)
+    assert hgp.state_of(model).report.experts
+    model.to_empty(device="cpu")
+    _poison(model)
+    torch.manual_seed(3)
+    model.init_weights()
+    got = _lm_losses(model)
+    assert all(math.isfinite(v) for v in got), got
+    assert got == expected
+
+
+def test_expert_stack_reset_parameters_initialises_each_expert_as_an_nn_linear():
+    """torch's meta-device flow (reset_parameters on every module): each expert of a stack as nn.Linear's
+    reset_parameters initialises a weight of its shape, experts in order; the GaLore state is a new layer's."""
+    from hf_galore_plugin.layers.experts import GaLoreExpertStack
+
+    config = hgp.GaLoreConfig(rank=8, experts=True, expert_rank=4)
+    with torch.device("meta"):
+        stack = GaLoreExpertStack(torch.empty(3, 24, 16), config)
+    stack.to_empty(device="cpu")
+    _poison(stack)
+    torch.manual_seed(11)
+    stack.reset_parameters()
+    torch.manual_seed(11)
+    expected = torch.stack([nn.init.kaiming_uniform_(torch.empty(24, 16), a=math.sqrt(5)) for _ in range(3)])
+    assert torch.equal(stack.weight, expected)
+    assert int(stack.galore_step) == 0 and not stack.calibrated
+    assert torch.count_nonzero(stack.galore_factor) == 0
+
+
 def test_init_weights_leaves_loaded_galore_layers_alone():
     # A model built and initialised on CPU, then prepared: init_weights() again changes none of its weights,
     # as for its plain layers (transformers marks what its init has run on).

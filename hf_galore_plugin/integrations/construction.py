@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 from ..config import GaLoreConfig
 from ..engines.capabilities import check_inner_optimizer
 from ..layers import GaLoreLinear
+from ..layers.experts import GaLoreExpertStack, GaLoreExperts
 from .chunked_loss import check_head_weight_readers, configure_trainer_loss
 from ..state import state_of
 from .names import galore_config_for, prepare_model_for_trainer, served_name
@@ -143,6 +144,14 @@ def wrap_initialize_weights(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def _initialize_weights(self, module, *args, **kwargs):
+        if isinstance(module, GaLoreExpertStack):
+            return None  # initialised by its GaLoreExperts, whichever transformers visits first
+        if isinstance(module, GaLoreExperts):
+            # The stock experts module's rule, for both stacks: the draws of the module it stands in for
+            if not getattr(module, "_is_hf_initialized", False):
+                module.initialize_base(lambda stock: original(self, stock, *args, **kwargs))
+                module._is_hf_initialized = True
+            return None
         if not isinstance(module, GaLoreLinear):
             return original(self, module, *args, **kwargs)
         if getattr(module, "_is_hf_initialized", False):

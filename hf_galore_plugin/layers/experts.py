@@ -132,11 +132,34 @@ class GaLoreExpertStack(GaLoreLinear):
         self._expert_refreshes().zero_()
         self._pending_tokens = None
 
+    @torch.no_grad()
     def initialize_base(self, init: Callable[[nn.Linear], None]) -> None:
-        raise NotImplementedError(
-            "GaLore expert layers cannot be initialised after to_empty() (a model prepared on the meta device): "
-            "prepare the MoE model with experts=True after its weights are loaded or initialised"
-        )
+        """Initialise each expert's W0 as `init` initialises a plain ``nn.Linear`` of its shape (torch's
+        ``reset_parameters`` after ``to_empty()``), experts in order, then give the stack a new layer's GaLore
+        state. A transformers model initialises the stock experts module instead (:meth:`GaLoreExperts.
+        initialize_base`, the model's own rule for its 3-D weights)."""
+        weight = torch.empty(
+            self.num_experts, self.out_features, self.in_features, device=self.galore_factor.device,
+            dtype=self.weight_dtype,
+        )  # fmt: skip
+        for expert in range(self.num_experts):
+            linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+            linear.weight = nn.Parameter(weight[expert], requires_grad=False)
+            init(linear)
+        self.set_base(weight)
+
+    @torch.no_grad()
+    def set_base(self, weight: torch.Tensor) -> None:
+        """W0 <- `weight` (E x m x n; stored as the config stores W0) and a new layer's GaLore state: what an
+        initialisation after ``to_empty()`` gives the stack."""
+        if self.weight is not None:
+            self.weight.copy_(weight)
+        else:
+            store = self._weight_store
+            assert store is not None
+            store.store(weight.detach())  # rounded to nearest, as when a stack is built
+        self.reset_galore_state()
+        self._base_initialised = True
 
     def discard_recorded_gradient(self) -> None:
         super().discard_recorded_gradient()
@@ -513,6 +536,25 @@ class GaLoreExperts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         stock: Any = self.stock
         return stock.act_fn(gate) * up
+
+    @torch.no_grad()
+    def initialize_base(self, init: Callable[[nn.Module], None]) -> None:
+        """Initialise both stacks' W0 as `init` (the model's own ``_init_weights``) initialises the stock experts
+        module it stands in for, with the same random draws in the same order, then give them a new layer's
+        GaLore state: a model prepared on the meta device, after ``to_empty()`` and ``init_weights()``."""
+        stock: Any = self.stock
+        for name in EXPERT_PROJECTIONS:
+            stack: GaLoreExpertStack = getattr(self, name)
+            shape = (stack.num_experts, stack.out_features, stack.in_features)
+            empty = torch.empty(shape, device=stack.galore_factor.device, dtype=stack.weight_dtype)
+            stock._parameters[name] = nn.Parameter(empty, requires_grad=False)
+        try:
+            init(stock)
+            for name in EXPERT_PROJECTIONS:
+                getattr(self, name).set_base(stock._parameters[name])
+        finally:
+            for name in EXPERT_PROJECTIONS:
+                stock._parameters[name] = None
 
     @torch.no_grad()
     def merged_module(self) -> nn.Module:
