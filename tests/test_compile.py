@@ -82,6 +82,22 @@ def test_graph_count_does_not_grow_with_layers_or_phases():
     assert run["graphs"] == 2 and run["breaks"] == 0
 
 
+def test_rank_auto_compiled_recompiles_for_the_new_shapes_only_and_trains_as_eager():
+    """rank_allocation='auto': the layers take their ranks at steps 3-4 (new factor and basis shapes), which
+    the graphs are recompiled for (a bounded number of graphs, Dynamo's limit not hit: an error here), without
+    breaks, training as eager."""
+    eager = _run("galore_adamw", compiled=False, rank_allocation="auto")
+    compiled = _run("galore_adamw", compiled=True, rank_allocation="auto")
+    assert compiled["breaks"] == 0
+    assert compiled["graphs"] <= 8  # measured 4: the two step kinds, each at the starting and the new shapes
+    assert compiled["refreshes"] == eager["refreshes"] and min(eager["refreshes"]) >= 3
+    assert {tuple(b.shape) for b in compiled["bases"] if b is not None} != {(64, 8)}, "the ranks changed"
+    for got, expected in zip(compiled["bases"], eager["bases"]):
+        if expected is not None:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-5)
+
+
 def test_a_copied_model_records_into_its_own_layers():
     import copy
 
