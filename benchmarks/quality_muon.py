@@ -2,6 +2,9 @@
 
     python benchmarks/quality_muon.py                       # size tiny, the three methods, 3 seeds (~15 min, 1 job)
     python benchmarks/quality_muon.py --methods galore_muon --lrs 0.01,0.03,0.1
+    python benchmarks/quality_muon.py --methods muon --lrs 0.03 --at-seeds 1,2 --out outputs/quality_muon_seeds
+    cat outputs/quality_muon/runs.jsonl outputs/quality_muon_seeds/runs.jsonl > all.jsonl
+    python benchmarks/quality_muon.py --from-runs all.jsonl   # the table of the runs together
 
 The protocol of benchmarks/quality.py (its data, model, batches, schedule, clipping, held-out loss and
 `run_one`), for three methods:
@@ -156,6 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, help="override the size's optimizer steps")
     parser.add_argument("--jobs", type=int, default=1, help="parallel runs (processes; default 1)")
     parser.add_argument("--out", type=pathlib.Path, default=HERE.parent / "outputs" / "quality_muon")
+    parser.add_argument("--at-seeds", default="", help="no sweep: every rate of --lrs at these seeds, e.g. 1,2")
     parser.add_argument("--from-runs", type=pathlib.Path, help="no training: the report of a runs.jsonl")
     args = parser.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
@@ -175,6 +179,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = {"size": dataclasses.asdict(size), "data": str(data_path), "device": device, "threads": 1}
     lrs = {m: tuple(float(x) for x in args.lrs.split(",")) if args.lrs else LRS[m] for m in methods}
     started = time.perf_counter()
+    if args.at_seeds:
+        log = args.out / "runs.jsonl"
+        log.unlink(missing_ok=True)
+        seeds = [int(x) for x in args.at_seeds.split(",") if x]
+        jobs = [{**base, "method": m, "lr": lr, "seed": seed} for m in methods for lr in lrs[m] for seed in seeds]
+        _common.run_jobs(run_one, jobs, args.jobs, log, quality.describe)
+        print(f"{len(jobs)} runs in {log} ({(time.perf_counter() - started) / 60:.1f} min)")
+        data_path.unlink()
+        return 0
     sweep = [{**base, "method": m, "lr": lr, "seed": SEEDS[0]} for m in methods for lr in lrs[m]]
     results = _common.run_grid(
         sweep, out=args.out, base=base, other_seeds=list(SEEDS[1 : args.seeds]), methods=methods,
