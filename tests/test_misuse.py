@@ -229,19 +229,19 @@ def _poison(model) -> None:
             tensor.fill_(float("nan") if tensor.is_floating_point() else 7)
 
 
-@pytest.mark.parametrize("weight_storage", ["as_loaded", "int8"])
-def test_meta_device_transformers_init_weights_trains_like_a_cpu_prepared_model(weight_storage):
-    # The oracle: the same meta -> to_empty -> init_weights flow without the plugin, prepared on CPU after it.
-    config = hgp.GaLoreConfig(rank=4, update_proj_gap=2, weight_storage=weight_storage)
+def _meta_init_weights_losses(build, config) -> tuple[list[float], list[float]]:
+    """(oracle, got): the meta -> to_empty -> init_weights flow of the model `build()` makes, prepared with
+    `config` after it on CPU (the oracle), and prepared on the meta device before it (poisoned after
+    to_empty, so what the init does not write shows)."""
     with torch.device("meta"):
-        reference = LlamaForCausalLM(tiny_llama().config)
+        reference = build()
     reference.to_empty(device="cpu")
     torch.manual_seed(3)
     reference.init_weights()
     expected = _lm_losses(hgp.prepare_model(reference, config))
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(tiny_llama().config)
+        model = build()
     hgp.prepare_model(model, config)
     model.to_empty(device="cpu")
     _poison(model)
@@ -249,6 +249,13 @@ def test_meta_device_transformers_init_weights_trains_like_a_cpu_prepared_model(
     model.init_weights()
     got = _lm_losses(model)
     assert all(math.isfinite(v) for v in got), got
+    return expected, got
+
+
+@pytest.mark.parametrize("weight_storage", ["as_loaded", "int8"])
+def test_meta_device_transformers_init_weights_trains_like_a_cpu_prepared_model(weight_storage):
+    config = hgp.GaLoreConfig(rank=4, update_proj_gap=2, weight_storage=weight_storage)
+    expected, got = _meta_init_weights_losses(lambda: LlamaForCausalLM(tiny_llama().config), config)
     assert got == expected
 
 
@@ -281,23 +288,7 @@ def test_meta_device_moe_with_experts_init_weights_trains_like_a_cpu_prepared_mo
     the stock experts module (same draws, same order): training matches a model prepared after its init."""
     config = hgp.GaLoreConfig(rank=8, experts=True, expert_rank=4, update_proj_gap=2, weight_storage=weight_storage)
     shape = _tiny_moe().config
-    with torch.device("meta"):
-        reference = transformers.Qwen3MoeForCausalLM(shape)
-    reference.to_empty(device="cpu")
-    torch.manual_seed(3)
-    reference.init_weights()
-    expected = _lm_losses(hgp.prepare_model(reference, config))
-
-    with torch.device("meta"):
-        model = transformers.Qwen3MoeForCausalLM(shape)
-    hgp.prepare_model(model, config)
-    assert hgp.state_of(model).report.experts
-    model.to_empty(device="cpu")
-    _poison(model)
-    torch.manual_seed(3)
-    model.init_weights()
-    got = _lm_losses(model)
-    assert all(math.isfinite(v) for v in got), got
+    expected, got = _meta_init_weights_losses(lambda: transformers.Qwen3MoeForCausalLM(shape), config)
     assert got == expected
 
 
