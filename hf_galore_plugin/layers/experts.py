@@ -11,7 +11,8 @@ with one basis and one factor per expert, stacked along the expert dimension:
 :class:`GaLoreExpertStack` holds W0 (E x m x n: plain, INT8 or NF4), the bases (E x dim x r) and the
 factor (E x m x r or E x r x n: one ``nn.Parameter``, stepped by the package's AdamW like a linear
 layer's factor), with a :class:`~.linear.GaLoreLinear`'s counters, schedule and state-dict layout (it
-is a subclass: the step driver, checkpoints, weight decay and the planner treat it as one more layer).
+is a subclass, built by the layers' shared base :class:`~.base.GaLoreLayerBase` with its 3-D weight: the step
+driver, checkpoints, weight decay and the planner treat it as one more layer).
 :class:`GaLoreExperts` replaces the ``*Experts`` module and keeps its forward signature
 ``(hidden_states, top_k_index, top_k_weights)``, so the model's sparse-MoE block and router are untouched.
 
@@ -21,36 +22,31 @@ code, so the expert's output, gradient and update equal a ``GaLoreLinear`` with 
 and the factor enters the graph through one ``unbind``, whose backward stacks the experts' factor
 gradients into one E x (factor) tensor. No expert's m x n weight gradient is formed on a normal step.
 
-Refresh: a refresh step records, per expert, the gradient (or sketch) of the tokens routed to it, and
-how many tokens it received. Each expert that received tokens gets a new basis from its own record;
-an expert that received none in the recorded step keeps its basis (the refresh log says how many).
+Refresh (:mod:`.expert_refresh`): a refresh step records, per expert, the gradient (or sketch) of the tokens
+routed to it, and how many tokens it received. Each expert that received tokens gets a new basis from its own
+record; an expert that received none in the recorded step keeps its basis (the refresh log says how many).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import warnings
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
-from ..engines.collectives import all_reduce_mean, full_tensor, local_rows, local_shard, same_layout
-from ..engines.contract import change_basis, gathered_parameters
+from ..engines.collectives import full_tensor, local_rows, local_shard, same_layout
 from ..engines.contract import param_changed as _param_changed
-from ..projection import BasisError, basis_from_sketch, resolve_sides, subspace_similarity
-from ..projection import transport_matrix
+from . import expert_refresh as _expert_refresh
 from . import refresh as _refresh_mod
+from .base import GaLoreLayerBase
 from .function import galore_linear
-from .linear import GaLoreLinear, check_base_weight
+from .linear import GaLoreLinear
 from .storage import stochastic_round_to_bf16
 
 __all__ = ["GaLoreExpertStack", "GaLoreExperts", "EXPERT_PROJECTIONS"]
-
-logger = logging.getLogger(__name__)
 
 # The projections of a gated expert block, in the order the forward applies them.
 EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -63,52 +59,31 @@ class GaLoreExpertStack(GaLoreLinear):
     Buffers and parameters keep :class:`GaLoreLinear`'s names with an expert dimension in front
     (``weight`` or ``weight_q_*``, ``galore_factor``, ``galore_basis_<side>``), plus
     ``galore_expert_refreshes`` (E: how many refreshes gave each expert a basis from its own tokens).
+
+    A :class:`GaLoreLinear` to the rest of the package (``isinstance`` finds every GaLore layer), built by the
+    layers' shared base: ``GaLoreLinear.__init__`` takes an ``nn.Linear`` and adds what a stack does not have
+    (the residual mode, an adaptive rank), so the stack calls :class:`~.base.GaLoreLayerBase`'s ``__init__``,
+    which both constructors share, with its weight and ``expert_rank``.
     """
 
+    galore_expert_refreshes: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, config: GaLoreConfig, *, layer_index: int = 0) -> None:
-        nn.Module.__init__(self)
         if weight.ndim != 3:
             raise TypeError(
                 f"GaLoreExpertStack wraps a 3-D expert parameter (experts x out x in), got shape {tuple(weight.shape)}"
             )
-        check_base_weight(weight, "GaLoreExpertStack")
-        self.config = config
-        self.num_experts, m, n = (int(size) for size in weight.shape)
-        self.in_features, self.out_features = n, m
-        self.weight_dtype = weight.dtype
-        rank = config.expert_rank
-        has_left, has_right = resolve_sides(config.proj_type, m, n)
-        self.left_rank = min(rank, m) if has_left else None
-        self.right_rank = min(rank, n) if has_right else None
-        self.left_identity = has_left and rank >= m
-        self.right_identity = has_right and rank >= n
-        rows = self.left_rank if self.left_rank is not None else m
-        cols = self.right_rank if self.right_rank is not None else n
+        GaLoreLayerBase.__init__(self, weight, config, rank=config.expert_rank, layer_index=layer_index, bias=None)
+        self.num_experts = int(weight.shape[0])
         device = weight.device
-        self.galore_factor = nn.Parameter(torch.zeros(self.num_experts, rows, cols, device=device, dtype=weight.dtype))
-        self.bias = None
-        self._init_storage(config, weight, device)
-        self._init_step_state(config, layer_index, device, base_is_meta=weight.is_meta)
         self.register_buffer("galore_expert_refreshes", torch.zeros(self.num_experts, dtype=torch.int64, device=device))
-        # Tokens each expert received in the recorded step (with _pending_grad; never in a checkpoint).
-        self._pending_tokens: Optional[torch.Tensor] = None
+        # Tokens each expert received in the recorded step (with refresh_record; never in a checkpoint).
+        self.refresh_tokens: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ layout
-    def _basis_shape(self, dim: int, rank: int) -> tuple[int, ...]:
-        return (self.num_experts, dim, rank)
-
     def merged_weight_key(self, name: str) -> str:
         # The stock *Experts module holds the merged 3-D weight as the parameter named after the projection.
         return name
-
-    def _expert_refreshes(self) -> torch.Tensor:
-        """The buffer ``galore_expert_refreshes`` (E): refreshes that gave each expert a basis of its own."""
-        return self._buffers["galore_expert_refreshes"]  # type: ignore[return-value]
-
-    def _basis_value(self, side: str) -> torch.Tensor:
-        basis = self.basis(side, torch.float32)
-        assert basis is not None  # sides come from _basis_sides()
-        return basis
 
     def _check_factor_layout(self) -> None:
         expected = (
@@ -129,8 +104,8 @@ class GaLoreExpertStack(GaLoreLinear):
 
     def reset_galore_state(self) -> None:
         super().reset_galore_state()
-        self._expert_refreshes().zero_()
-        self._pending_tokens = None
+        self.galore_expert_refreshes.zero_()
+        self.refresh_tokens = None
 
     @torch.no_grad()
     def initialize_base(self, init: Callable[[nn.Linear], None]) -> None:
@@ -155,19 +130,20 @@ class GaLoreExpertStack(GaLoreLinear):
         if self.weight is not None:
             self.weight.copy_(weight)
         else:
-            store = self._weight_store
-            assert store is not None
-            store.store(weight.detach())  # rounded to nearest, as when a stack is built
+            self.weight_store().store(weight.detach())  # rounded to nearest, as when a stack is built
         self.reset_galore_state()
         self._base_initialised = True
 
     def discard_recorded_gradient(self) -> None:
         super().discard_recorded_gradient()
-        self._pending_tokens = None
+        self.refresh_tokens = None
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:  # type: ignore[override]
-        """The outputs of rows `x` (N x n) sorted by expert, `counts[e]` rows for expert e (sum N)."""
+    def forward(self, x: torch.Tensor, counts: Optional[list[int]] = None) -> torch.Tensor:
+        """The outputs of rows `x` (N x n) sorted by expert, `counts[e]` rows for expert e (sum N). `counts` is
+        required; its default only lets the signature extend :meth:`GaLoreLinear.forward`'s."""
+        if counts is None:
+            raise TypeError("GaLoreExpertStack.forward needs `counts`, the rows of `x` of each expert")
         if len(counts) != self.num_experts:
             raise ValueError(f"counts has {len(counts)} entries for {self.num_experts} experts")
         device_type = x.device.type
@@ -206,32 +182,36 @@ class GaLoreExpertStack(GaLoreLinear):
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._weight_store.value_slice(expert, dtype)  # type: ignore[union-attr]
+        store = self._weight_store
+        assert store is not None, "read for a W0 stored quantized (the parameter `weight` is None)"
+        return store.value_slice(expert, dtype)
 
     def expert_weight(self, expert: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Expert `expert`'s effective weight alpha * W0_e + scale * lowrank(B_e) (m x n, fp32 by default)."""
         return self.effective_weight(dtype)[expert]
 
     # ------------------------------------------------------------------ refresh records
-    def _record_traced(self, part: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+    def record_traced(self, part: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         if self.refresh_due:
             self._record_expert(part, dy, x)
 
     def _record_expert(self, expert: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         """Add the gradient (or sketches) of expert `expert`'s rows of this micro-batch to the record."""
         device = dy.device
-        if self._pending_tokens is None:
-            self._pending_tokens = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
-        self._pending_tokens[expert] += dy.shape[0]
+        if self.refresh_tokens is None:
+            self.refresh_tokens = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+        self.refresh_tokens[expert] += dy.shape[0]
         dy32, x32 = dy.to(torch.float32), x.to(torch.float32)
         if self.config.basis_method != "sketch":
-            if self._pending_grad is None:
+            grad = self._pending_grad
+            if grad is None:
                 shape = (self.num_experts, self.out_features, self.in_features)
-                self._pending_grad = torch.zeros(shape, dtype=torch.float32, device=device)
-            self._pending_grad[expert].addmm_(dy32.mT, x32)  # type: ignore[index]
+                grad = self._pending_grad = torch.zeros(shape, dtype=torch.float32, device=device)
+            assert isinstance(grad, torch.Tensor), "a dense record is one tensor"
+            grad[expert].addmm_(dy32.mT, x32)
             return
         record = self._pending_grad if isinstance(self._pending_grad, dict) else {}
-        for side, _ in self._basis_sides():
+        for side, _ in self.basis_sides():
             # One test matrix per side for all experts of the stack (drawn from the layer's seed and step).
             omega = self.sketch_test_matrix(side, device)
             if side not in record:
@@ -250,119 +230,9 @@ class GaLoreExpertStack(GaLoreLinear):
     # ------------------------------------------------------------------ the refresh
     def refresh(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
         """Fold the factors into W0 and give every expert that received tokens in the recorded step a new
-        basis from its own gradient; the others keep theirs. Returns the mean subspace similarity of the
-        experts that were refreshed and had a basis before (NaN when none had)."""
-        self._adopt_counter_writes()
-        try:
-            with gathered_parameters(optimizer, self):
-                return self._refresh_experts(optimizer)
-        finally:
-            self._update_refresh_due()
-
-    @torch.no_grad()
-    def _refresh_experts(self, optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
-        record, tokens = self._pending_grad, self._pending_tokens
-        self._pending_grad, self._pending_tokens = None, None
-        if record is None or tokens is None:
-            raise RuntimeError(
-                "GaLoreExpertStack.refresh() needs the gradient recorded during a refresh step's backward"
-            )
-        # Data-parallel ranks routed different tokens: an expert counts as hit when any rank sent it tokens,
-        # and its basis comes from the gradient averaged over the ranks (as for a linear layer).
-        fake = is_fake(tokens)
-        # Under fake tensors (the memory planner) every expert counts as routed to (even routing).
-        hit = [True] * self.num_experts if fake else (all_reduce_mean(tokens) > 0).tolist()
-        sides = self._basis_sides()
-        old = {side: self._basis_value(side).clone() for side, _ in sides}
-        new = {side: basis.clone() for side, basis in old.items()}
-        try:
-            if isinstance(record, dict):
-                sketches = {side: all_reduce_mean(record[side]) for side, _ in sides}
-                for expert in (e for e in range(self.num_experts) if hit[e]):
-                    for side, rank in sides:
-                        sketch = sketches[side][expert]
-                        basis = basis_from_sketch(sketch, rank=rank)
-                        new[side][expert] = (
-                            basis if fake else _complete(basis, _numerical_rank(sketch), old[side][expert])
-                        )
-            else:
-                grad = all_reduce_mean(record)
-                for expert in (e for e in range(self.num_experts) if hit[e]):
-                    determined = None if fake else _numerical_rank(grad[expert])
-                    for side, rank in sides:
-                        basis = _refresh_mod.basis_from_gradient(self, grad[expert], side, rank)
-                        new[side][expert] = (
-                            basis if determined is None else _complete(basis, determined, old[side][expert])
-                        )
-        except BasisError as exc:
-            warnings.warn(f"GaLore expert basis refresh failed ({exc}); keeping the previous bases", stacklevel=4)
-            self._set_counter("galore_last_refresh", self.counter("galore_step"))
-            return None
-        del record
-        first = not self.calibrated
-        had_basis = [not first] * self.num_experts if fake else (self._expert_refreshes() > 0).tolist()
-        self.fold_factor_into_base(optimizer)
-        for side, basis in new.items():
-            self._set_basis(side, basis)
-        stored = {side: self._basis_value(side) for side in new}
-        refreshed = [e for e in range(self.num_experts) if hit[e]]
-        compared = [e for e in refreshed if had_basis[e]]
-        similarity = float("nan")
-        if compared:
-            similarity = sum(
-                subspace_similarity(old[side][e], stored[side][e]) for side in stored for e in compared
-            ) / (len(compared) * len(stored))
-            _refresh_mod._update_lazy_gap(self, similarity)
-        self._buffers["galore_last_similarity"].fill_(similarity)  # type: ignore[union-attr]
-        if optimizer is not None:
-            self._change_basis(optimizer, first, hit, old, stored)
-        kept = self.num_experts - len(refreshed)
-        if kept:
-            never = sum(1 for e in range(self.num_experts) if not hit[e] and not had_basis[e])
-            logger.info(
-                "GaLore expert refresh at step %d: %d of %d experts received no tokens in the recorded step and "
-                "keep their basis%s",
-                self.counter("galore_step"),
-                kept,
-                self.num_experts,
-                f" ({never} have none yet: their factors get no gradient until a refresh step routes tokens to them)"
-                if never
-                else "",
-            )
-        refreshes = self._expert_refreshes()
-        refreshes.add_(torch.tensor(hit, device=refreshes.device).to(torch.int64))
-        self._set_counter("galore_last_refresh", self.counter("galore_step"))
-        self._add_counter("galore_num_refreshes")
-        return similarity
-
-    def _change_basis(
-        self,
-        optimizer: torch.optim.Optimizer,
-        first: bool,
-        hit: list[bool],
-        old: dict[str, torch.Tensor],
-        new: dict[str, torch.Tensor],
-    ) -> None:
-        """Hand the optimizer the change of basis of the factor (engines.contract.change_basis): per expert, one
-        that kept its basis keeps its state (identity transport, out of the `experts` mask); a refreshed one
-        follows ``moment_handling`` ('keep', 'reset', 'project'); a first calibration resets the whole state."""
-        policy = "reset" if first else self.config.moment_handling
-        device = self.galore_factor.device
-        experts = None if first or all(hit) else torch.tensor(hit, dtype=torch.bool, device=device)
-        transports: dict[str, torch.Tensor] = {}
-        if policy == "project":
-            mask = torch.tensor(hit, dtype=torch.bool, device=device).view(-1, 1, 1)
-            for side, basis in new.items():
-                eye = torch.eye(basis.shape[-1], device=basis.device).expand(self.num_experts, -1, -1)
-                transports[side] = torch.where(mask, transport_matrix(old[side], basis), eye)
-        change_basis(
-            optimizer,
-            self.galore_factor,
-            left=transports.get("left"),
-            right=transports.get("right"),
-            policy=policy,
-            experts=experts,
-        )
+        basis from its own gradient; the others keep theirs (:func:`.expert_refresh.refresh`). Returns the mean
+        subspace similarity of the experts that were refreshed and had a basis before (NaN when none had)."""
+        return _expert_refresh.refresh(self, optimizer)
 
     # ------------------------------------------------------------------ merged weight
     # lowrank_delta is GaLoreLinear's: its matmuls batch over the expert dimension (E x m x n).
@@ -393,17 +263,17 @@ class GaLoreExpertStack(GaLoreLinear):
             if weight is not None:
                 merged = weight[expert - start].to(torch.float32) * self._alpha + delta
                 if weight.dtype == torch.bfloat16 and stochastic:
-                    merged = stochastic_round_to_bf16(merged, self._next_generator(merged.device))
+                    merged = stochastic_round_to_bf16(merged, self.next_generator(merged.device))
                 weight[expert - start].copy_(merged)
             else:
                 assert store is not None
                 merged = store.value_slice(expert, torch.float32) * self._alpha + delta
-                generator = self._next_generator(merged.device) if stochastic else None
+                generator = self.next_generator(merged.device) if stochastic else None
                 err, norm = store.store_slice(expert, merged, generator=generator)
                 error_sq, norm_sq = error_sq + err, norm_sq + norm
         if store is not None and norm_sq > 0:
             store.error = (error_sq / norm_sq) ** 0.5
-        self._reset_base()
+        self.reset_alpha()
         local_shard(self.galore_factor.detach()).zero_()
         _param_changed(optimizer, self.galore_factor)
 
@@ -424,50 +294,9 @@ class GaLoreExpertStack(GaLoreLinear):
 
     def state_nbytes(self) -> dict[str, int]:
         nbytes = super().state_nbytes()
-        refreshes = self._expert_refreshes()
+        refreshes = self.galore_expert_refreshes
         nbytes["basis"] += refreshes.numel() * refreshes.element_size()
         return nbytes
-
-
-def _numerical_rank(matrix: torch.Tensor) -> int:
-    """The rank of `matrix` at fp32 precision: its singular values above max(shape) * eps * the largest (the
-    rule of LAPACK's and numpy's matrix_rank)."""
-    values = torch.linalg.svdvals(matrix.detach().to(torch.float32))
-    if values.numel() == 0 or float(values[0]) == 0.0:
-        return 0
-    return int((values > float(values[0]) * max(matrix.shape) * torch.finfo(torch.float32).eps).sum())
-
-
-def _complete(basis: torch.Tensor, determined: int, previous: torch.Tensor) -> torch.Tensor:
-    """`basis` (d x r) with its columns past the first `determined` replaced by directions rounding cannot move.
-
-    An expert that received fewer tokens than the rank in the recorded step has a gradient (and sketch) of
-    rank below r: a decomposition returns its top `determined` singular vectors and then vectors of singular
-    value ~0, which the last bits of the input pick, so two runs that sum in another order (data-parallel
-    ranks against one process) get different ones. Those columns are replaced by the expert's previous basis
-    vectors, then the coordinate axes, each with the columns before it projected out (Gram-Schmidt, twice)
-    and taken when more than half of its length is left: a continuous function of the determined columns,
-    and the directions the gradient does not fix stay where they were. With a dense record ('svd', 'randomized')
-    the rank costs one more decomposition (singular values only) of each refreshed expert's m x n gradient.
-    """
-    dim, rank = basis.shape
-    if determined >= rank:
-        return basis
-    columns = list(basis[:, :determined].unbind(1))
-    candidates = torch.cat([previous.to(basis.dtype), torch.eye(dim, dtype=basis.dtype, device=basis.device)], 1)
-    for threshold in (0.5, 1e-3):
-        for candidate in candidates.unbind(1):
-            if len(columns) == rank:
-                break
-            vector = candidate
-            for _ in range(2):
-                if columns:
-                    kept = torch.stack(columns, 1)
-                    vector = vector - kept @ (kept.mT @ vector)
-            norm = float(vector.norm())
-            if norm > threshold:
-                columns.append(vector / norm)
-    return torch.stack(columns, 1).contiguous()
 
 
 def _even_split(total: int, parts: int) -> list[int]:
@@ -567,3 +396,9 @@ class GaLoreExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, replaces={type(self.stock).__name__}"
+
+
+if TYPE_CHECKING:  # mypy checks that a stack is what the expert refresh expects
+
+    def _expert_refresh_target(stack: GaLoreExpertStack) -> _expert_refresh.ExpertRefreshTarget:
+        return stack

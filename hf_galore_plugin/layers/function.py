@@ -77,7 +77,7 @@ _RECORDER_IDS = itertools.count()
 
 def register_recorder(layer: Any) -> int:
     """An id under which the compiled record ops find `layer` (held weakly); `layer` implements
-    ``_record_traced(part, dy, x)``."""
+    ``record_traced(part, dy, x)``."""
     key = next(_RECORDER_IDS)
     _RECORDERS[key] = layer
     return key
@@ -100,7 +100,7 @@ def record_gradient(dy: torch.Tensor, x: torch.Tensor, layer: int, part: int) ->
     returns dy (a copy, so the op has an output the backward uses and no compiler drops the call)."""
     target = _RECORDERS.get(layer)
     if target is not None:
-        target._record_traced(part, dy, x)
+        target.record_traced(part, dy, x)
     return dy.clone()
 
 

@@ -39,33 +39,35 @@ class AdaptiveRank:
         self.target = 0
 
 
-def init_adaptive(layer: Any, config: GaLoreConfig, sides: list[tuple[str, int]], device: torch.device) -> None:
-    """Make `layer` adaptive when the config asks for it and the layer has exactly one computed basis
-    (`sides`: its (side, rank) list)."""
-    layer._adaptive = None
+def init_adaptive(
+    layer: Any, config: GaLoreConfig, sides: list[tuple[str, int]], device: torch.device
+) -> Optional[AdaptiveRank]:
+    """The rank state of `layer` (its buffers registered) when the config asks for one and the layer has exactly
+    one computed basis (`sides`: its (side, rank) list); None: the layer's rank is fixed."""
     if config.rank_allocation != "auto" or len(sides) != 1:
-        return
+        return None
     side, start = sides[0]
     dim = layer.in_features if side == "right" else layer.out_features
     kept = layer.out_features if side == "right" else layer.in_features
     low, high = config.effective_rank_bounds
     high = min(high, dim - 1)
     low = min(low, high)
-    layer._adaptive = AdaptiveRank(side, dim, kept, start, low, high)
+    state = AdaptiveRank(side, dim, kept, start, low, high)
     layer.register_buffer("galore_spectrum", torch.full((high,), math.nan, dtype=torch.float32, device=device))
     layer.register_buffer("galore_spectrum_total", torch.tensor(math.nan, dtype=torch.float32, device=device))
     layer.register_buffer("galore_rank_target", torch.tensor(0, dtype=torch.int64, device=device))
+    return state
 
 
 def current_rank(layer: Any) -> int:
-    state: AdaptiveRank = layer._adaptive
+    state: AdaptiveRank = layer.rank_state
     return layer.right_rank if state.side == "right" else layer.left_rank
 
 
 def record_rank(layer: Any, rank: int) -> int:
     """The rank the next refresh record must serve: `rank` (the current), the largest one until the spectrum
     is measured, the target once allocated."""
-    state: Optional[AdaptiveRank] = layer._adaptive
+    state: Optional[AdaptiveRank] = layer.rank_state
     if state is None:
         return rank
     if not state.measured:
@@ -78,7 +80,7 @@ def measure_spectrum(layer: Any, record: Any) -> None:
     """Keep the spectrum of the calibration record: a sketch Y = G^T Omega (Omega Gaussian with k columns, so
     E ||Y||^2 = k ||G||^2 and the top singular values of Y / sqrt(k) estimate G's), or the dense gradient G
     (exact singular values). Already averaged over data-parallel ranks."""
-    state: Optional[AdaptiveRank] = layer._adaptive
+    state: Optional[AdaptiveRank] = layer.rank_state
     if state is None or state.measured:
         return
     if isinstance(record, dict):
@@ -100,7 +102,7 @@ def measure_spectrum(layer: Any, record: Any) -> None:
 
 def set_target(layer: Any, rank: int) -> None:
     """Give the layer the rank it takes at its next refresh (the allocator's)."""
-    state: AdaptiveRank = layer._adaptive
+    state: AdaptiveRank = layer.rank_state
     if not state.low <= rank <= state.high:
         raise ValueError(f"rank {rank} is outside this layer's bounds [{state.low}, {state.high}]")
     state.target = rank
@@ -109,7 +111,7 @@ def set_target(layer: Any, rank: int) -> None:
 
 def rank_to_adopt(layer: Any) -> Optional[int]:
     """The rank this refresh gives the layer where it differs from the current one (None: keep)."""
-    state: Optional[AdaptiveRank] = layer._adaptive
+    state: Optional[AdaptiveRank] = layer.rank_state
     if state is None or not state.target or state.target == current_rank(layer):
         return None
     return state.target
@@ -119,7 +121,7 @@ def rank_to_adopt(layer: Any) -> Optional[int]:
 def resize(layer: Any, rank: int) -> None:
     """Give the layer rank `rank`: a zero factor and a zero basis of the new shape and the scale of the new
     rank. The caller folds the factor into W0 first (a refresh) or loads values after (a load)."""
-    state: AdaptiveRank = layer._adaptive
+    state: AdaptiveRank = layer.rank_state
     if state.side == "right":
         layer.right_rank = rank
     else:
@@ -142,14 +144,14 @@ def resize(layer: Any, rank: int) -> None:
         # step is alive (the Trainer's loop keeps none).
         factor.data = fresh.data
     layer.scale = layer.config.layer_scale([(state.dim, rank)])
-    if layer._folded_side is not None:
+    if layer.folded_side is not None:
         layer.galore_folded_scale.fill_(layer.scale)
-    layer._set_basis(state.side, torch.zeros(layer._basis_shape(state.dim, rank), device=factor.device))
+    layer.set_basis(state.side, torch.zeros(layer.basis_shape(state.dim, rank), device=factor.device))
 
 
 def before_load(layer: Any, state_dict: dict[str, Any], prefix: str) -> None:
     """Take the rank of the factor being loaded (a checkpoint of a run whose allocation changed it)."""
-    state: Optional[AdaptiveRank] = layer._adaptive
+    state: Optional[AdaptiveRank] = layer.rank_state
     if state is None:
         return
     saved = state_dict.get(prefix + "galore_factor")
@@ -163,7 +165,7 @@ def before_load(layer: Any, state_dict: dict[str, Any], prefix: str) -> None:
 
 def after_load(layer: Any) -> None:
     """Re-read the host copies from the loaded buffers (a load syncs anyway)."""
-    state: Optional[AdaptiveRank] = layer._adaptive
+    state: Optional[AdaptiveRank] = layer.rank_state
     if state is None:
         return
     spectrum, target = layer.galore_spectrum, layer.galore_rank_target
@@ -175,7 +177,7 @@ def after_load(layer: Any) -> None:
 
 def reset(layer: Any) -> None:
     """A new layer's rank state (``reset_galore_state``): the starting rank, nothing measured or allocated."""
-    state: Optional[AdaptiveRank] = layer._adaptive
+    state: Optional[AdaptiveRank] = layer.rank_state
     if state is None:
         return
     if current_rank(layer) != state.start:

@@ -10,8 +10,8 @@ matrices and the ``moment_handling`` policy) through the engine contract's one s
 optimizer's business, and a layer never touches that state. The effective weight is unchanged by a refresh.
 
 The functions take the layer as a :class:`RefreshTarget`: the protocol lists everything a refresh reads
-and writes, and :class:`~hf_galore_plugin.layers.GaLoreLinear` (which binds the public functions as its
-methods) is checked against it by mypy.
+and writes, all of it public members of the layer, and :class:`~.base.GaLoreLayerBase` (which binds the public
+functions as its methods) is checked against it by mypy.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ..engines.contract import change_basis, factor_rescaled, gathered_parameter
 from ..projection import BasisError, Reduce, basis_from_sketch, compute_basis, subspace_similarity, transport_matrix
 from ..config import GaLoreConfig
 from . import rank as _rank
+from .counters import LayerCounters
 from .storage import stochastic_round_to_bf16
 
 __all__ = [
@@ -41,13 +42,15 @@ __all__ = [
     "refresh_record_nbytes",
     "sketch_exchange_numel",
     "sketch_test_matrix",
+    "update_lazy_gap",
 ]
 
 
 class RefreshTarget(Protocol):
-    """What the refresh reads and writes of a layer (a :class:`~hf_galore_plugin.layers.GaLoreLinear`)."""
+    """What the refresh reads and writes of a layer (a :class:`~hf_galore_plugin.layers.GaLoreLinear`): public
+    members only."""
 
-    _pending_grad: Optional[torch.Tensor | dict[str, torch.Tensor]]
+    refresh_record: Optional[torch.Tensor | dict[str, torch.Tensor]]
 
     @property
     def config(self) -> GaLoreConfig: ...
@@ -78,25 +81,26 @@ class RefreshTarget(Protocol):
     @property
     def galore_last_similarity(self) -> torch.Tensor: ...
 
+    @property
+    def counts(self) -> LayerCounters: ...
+
     def counter(self, name: str) -> int: ...
-    def _set_counter(self, name: str, value: int) -> None: ...
-    def _add_counter(self, name: str, delta: int = 1) -> None: ...
-    def _adopt_counter_writes(self) -> None: ...
-    def _update_refresh_due(self) -> None: ...
-    def _basis_sides(self) -> list[tuple[str, int]]: ...
-    def _sketch_width(self, rank: int) -> int: ...
-    def _next_generator(self, device: torch.device) -> torch.Generator: ...
+    def adopt_counter_writes(self) -> None: ...
+    def update_refresh_due(self) -> bool: ...
+    def basis_sides(self) -> list[tuple[str, int]]: ...
+    def sketch_width(self, rank: int) -> int: ...
+    def next_generator(self, device: torch.device) -> torch.Generator: ...
     def basis(self, side: str, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]: ...
-    def _set_basis(self, side: str, value: torch.Tensor) -> None: ...
+    def set_basis(self, side: str, basis: torch.Tensor) -> None: ...
     def effective_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor: ...
-    def _store_weight(self, value: torch.Tensor) -> None: ...
-    def _reset_base(self) -> None: ...
+    def store_weight(self, value: torch.Tensor, *, measure: bool = True) -> None: ...
+    def reset_alpha(self) -> None: ...
     def refresh_record_nbytes(self) -> int: ...
     def sketch_test_matrix(self, side: str, device: Optional[torch.device] = None) -> torch.Tensor: ...
     def sketch_exchange_numel(self) -> int: ...
 
 
-# Keeps the sketch's test-matrix seeds apart from the counter-driven seeds of the layer's _next_generator.
+# Keeps the sketch's test-matrix seeds apart from the counter-driven seeds of the layer's next_generator.
 _SKETCH_STREAM = 0x5EED_5EED_0000_0000
 
 
@@ -109,7 +113,7 @@ def refresh_record_nbytes(layer: RefreshTarget) -> int:
     if layer.config.basis_method != "sketch":
         return 4 * layer.out_features * layer.in_features
     dims = {"left": layer.out_features, "right": layer.in_features}
-    return sum(4 * dims[side] * layer._sketch_width(rank) for side, rank in layer._basis_sides())
+    return sum(4 * dims[side] * layer.sketch_width(rank) for side, rank in layer.basis_sides())
 
 
 def sketch_test_matrix(layer: RefreshTarget, side: str, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -121,14 +125,14 @@ def sketch_test_matrix(layer: RefreshTarget, side: str, device: Optional[torch.d
     a step (so the sketch stays linear in the step's gradient), and after a resume; a stream of its
     own, apart from the counter-driven one of stochastic rounding and the randomized range finder.
     """
-    rank = dict(layer._basis_sides())[side]
+    rank = dict(layer.basis_sides())[side]
     dim = layer.in_features if side == "left" else layer.out_features
     device = torch.device(device) if device is not None else layer.galore_step.device
     generator = torch.Generator(device=device)
     side_index = 0 if side == "left" else 1
     stream = (layer.counter("galore_seed") * 1_000_039 + layer.counter("galore_step")) * 2 + side_index
     generator.manual_seed(stream ^ _SKETCH_STREAM)
-    return torch.randn(dim, layer._sketch_width(rank), generator=generator, device=device, dtype=torch.float32)
+    return torch.randn(dim, layer.sketch_width(rank), generator=generator, device=device, dtype=torch.float32)
 
 
 def record_gradient(layer: RefreshTarget, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -140,9 +144,9 @@ def record_gradient(layer: RefreshTarget, dy: torch.Tensor, x: torch.Tensor) -> 
         _record_sketch(layer, dy, x)
         return
     g = dy.to(torch.float32).mT @ x.to(torch.float32)
-    record = layer._pending_grad
+    record = layer.refresh_record
     if record is None:
-        layer._pending_grad = g
+        layer.refresh_record = g
     else:
         assert isinstance(record, torch.Tensor), "a dense record is one tensor"
         record += g
@@ -153,16 +157,16 @@ def _record_sketch(layer: RefreshTarget, dy: torch.Tensor, x: torch.Tensor) -> N
     # formed: N x k and k x dim temporaries only. Linear in G, so the sum over micro-batches is the
     # sketch of the step's gradient, and the mean over ranks the sketch of the averaged gradient.
     dy32, x32 = dy.to(torch.float32), x.to(torch.float32)
-    record = layer._pending_grad if layer._pending_grad is not None else {}
+    record = layer.refresh_record if layer.refresh_record is not None else {}
     assert isinstance(record, dict), "a sketch record holds one sketch per basis side"
-    for side, _ in layer._basis_sides():
+    for side, _ in layer.basis_sides():
         omega = layer.sketch_test_matrix(side, dy.device)
         sketch = dy32.mT @ (x32 @ omega) if side == "left" else x32.mT @ (dy32 @ omega)
         if side in record:
             record[side] += sketch
         else:
             record[side] = sketch
-    layer._pending_grad = record
+    layer.refresh_record = record
 
 
 def sketch_exchange_numel(layer: RefreshTarget) -> int:
@@ -186,7 +190,7 @@ def basis_from_gradient(
     """The new basis of `side` from the recorded gradient `grad` by the layer's ``basis_method`` (its random
     stream for the randomized range finder; `reduce` averages its sketches over data-parallel ranks)."""
     config = layer.config
-    generator = layer._next_generator(grad.device) if config.basis_method == "randomized" else None
+    generator = layer.next_generator(grad.device) if config.basis_method == "randomized" else None
     return compute_basis(
         grad,
         side=side,
@@ -208,28 +212,29 @@ def refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer] = N
     """
     # A refresh syncs the device anyway (basis computation, similarity): the one place where comparing
     # the counter buffers with their host copies costs nothing extra.
-    layer._adopt_counter_writes()
+    assert isinstance(layer, torch.nn.Module), "a GaLore layer is an nn.Module (an engine gathers its parameters)"
+    layer.adopt_counter_writes()
     try:
-        with gathered_parameters(optimizer, layer):  # type: ignore[arg-type]  # the layer is an nn.Module
+        with gathered_parameters(optimizer, layer):
             return _refresh(layer, optimizer)
     finally:
-        layer._update_refresh_due()
+        layer.update_refresh_due()
 
 
 @torch.no_grad()
 def _refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
-    grad = layer._pending_grad
-    layer._pending_grad = None
+    grad = layer.refresh_record
+    layer.refresh_record = None
     if grad is None:
         raise RuntimeError("GaLoreLinear.refresh() needs the gradient recorded during a refresh step's backward")
     if isinstance(grad, dict):
         # Streaming sketches: averaging them over the ranks is exact (they are linear in the gradient).
-        reduced = {side: _all_reduce_mean(grad[side]) for side, _ in layer._basis_sides()}
+        reduced = {side: _all_reduce_mean(grad[side]) for side, _ in layer.basis_sides()}
         _rank.measure_spectrum(layer, reduced)
         target = _rank.rank_to_adopt(layer)
         try:
             sketched = {
-                side: basis_from_sketch(reduced[side], rank=target or rank) for side, rank in layer._basis_sides()
+                side: basis_from_sketch(reduced[side], rank=target or rank) for side, rank in layer.basis_sides()
             }
         except BasisError as exc:
             _basis_failed(layer, exc)
@@ -266,7 +271,7 @@ def _refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer]) -
 def _basis_failed(layer: RefreshTarget, exc: BasisError) -> None:
     # Never stop training for a bad basis: keep the old one, try again after one more gap.
     warnings.warn(f"GaLore basis refresh failed ({exc}); keeping the previous basis", stacklevel=4)
-    layer._set_counter("galore_last_refresh", layer.counter("galore_step"))
+    layer.counts.set("galore_last_refresh", layer.counter("galore_step"))
 
 
 def _basis(layer: RefreshTarget, side: str) -> torch.Tensor:
@@ -290,18 +295,18 @@ def _install_bases(
         factor_rescaled(optimizer, layer.galore_factor, layer.scale / old_scale)
         first = True  # no similarity between subspaces of different ranks; the state restarts
     for side, basis in new_bases.items():
-        layer._set_basis(side, basis)
+        layer.set_basis(side, basis)
     stored = {side: _basis(layer, side) for side in new_bases}
 
     similarity = float("nan")
     if not first:
         similarity = sum(float(subspace_similarity(old_bases[s], stored[s])) for s in stored) / len(stored)
-        _update_lazy_gap(layer, similarity)
+        update_lazy_gap(layer, similarity)
     layer.galore_last_similarity.fill_(similarity)
     if optimizer is not None:
         _change_basis(layer, optimizer, "reset" if first else layer.config.moment_handling, old_bases, stored)
-    layer._set_counter("galore_last_refresh", layer.counter("galore_step"))
-    layer._add_counter("galore_num_refreshes")
+    layer.counts.set("galore_last_refresh", layer.counter("galore_step"))
+    layer.counts.add("galore_num_refreshes")
     return similarity
 
 
@@ -312,31 +317,32 @@ def fold_factor_into_base(layer: RefreshTarget, optimizer: Optional[torch.optim.
     if weight is not None:
         merged = _local(merged)
         if weight.dtype == torch.bfloat16 and layer.config.stochastic_rounding:
-            merged = stochastic_round_to_bf16(merged, layer._next_generator(merged.device))
+            merged = stochastic_round_to_bf16(merged, layer.next_generator(merged.device))
         # In place: FSDP2 all-gathers W0 from the storage of its local shard, and DDP/ZeRO keep
         # references to the parameter; rebinding `.data` would detach W0 from the engine.
         _local(weight).copy_(merged)
     else:
-        layer._store_weight(merged)
-    layer._reset_base()
+        layer.store_weight(merged)
+    layer.reset_alpha()
     _local(layer.galore_factor).zero_()
     # Engines that keep their own master copy of the factor (DeepSpeed ZeRO) reload it from the model.
     param_changed(optimizer, layer.galore_factor)
 
 
-def _update_lazy_gap(layer: RefreshTarget, similarity: float) -> None:
-    # Q-GaLore (Zhang et al. 2024, Sec. 3.3): layers whose subspace stopped moving refresh less often.
+def update_lazy_gap(layer: RefreshTarget, similarity: float) -> None:
+    """Q-GaLore's lazy refresh (Zhang et al. 2024, Sec. 3.3): a layer whose subspace stopped moving (`similarity`
+    at least ``cos_threshold`` for ``lazy_window`` refreshes) refreshes less often (its gap grows)."""
     config = layer.config
     if not config.lazy_refresh:
         return
     if similarity >= config.cos_threshold:
-        layer._add_counter("galore_agree_count")
+        layer.counts.add("galore_agree_count")
     else:
-        layer._set_counter("galore_agree_count", 0)
+        layer.counts.set("galore_agree_count", 0)
     if layer.counter("galore_agree_count") >= config.lazy_window:
         grown = min(layer.counter("galore_gap") * config.lazy_growth, config.effective_max_proj_gap)
-        layer._set_counter("galore_gap", grown)
-        layer._set_counter("galore_agree_count", 0)
+        layer.counts.set("galore_gap", grown)
+        layer.counts.set("galore_agree_count", 0)
 
 
 def _change_basis(

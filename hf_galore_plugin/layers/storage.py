@@ -128,9 +128,12 @@ class StoredTensor:
 
         if not self.quantized:
             raise TypeError(f"{self.name!r} is stored plain ({self.storage!r}), not quantized: read it with value()")
+        meta = self.meta
+        assert meta is not None, "a quantized store has its metadata from the store() that wrote its buffers"
         start, prefix = len(self.name) + 1, self.name + "_"
-        tensors = {name[start:]: t for name, t in self.module._buffers.items() if name.startswith(prefix)}
-        return QuantizedTensor.from_state(tensors, self.meta)  # type: ignore[arg-type]
+        buffers = self.module._buffers.items()
+        tensors = {name[start:]: t for name, t in buffers if name.startswith(prefix) and t is not None}
+        return QuantizedTensor.from_state(tensors, meta)
 
     def value(self, dtype: torch.dtype) -> torch.Tensor:
         """The tensor in `dtype`: the buffer itself when it has that dtype, else a (dequantized) copy.
