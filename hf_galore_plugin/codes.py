@@ -54,16 +54,35 @@ def table_cache(build):
     """``functools.lru_cache`` for a constant lookup table built from its arguments: the build runs outside
     any fake-tensor mode and with the CPU as default device, whatever is active at the first call (the
     memory planner traces under fake tensors and the meta device), so every cached table is a real tensor
-    on the device the build names (a later real step never reads a fake or meta table)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    on the device the build names (a later real step never reads a fake or meta table).
 
-    @functools.lru_cache(maxsize=None)
-    @functools.wraps(build)
-    def cached(*args):
+    Traced code (torch.compile) builds the table in its graph instead, a few hundred values: leaving the
+    fake-tensor mode inside a trace is a graph break, and a break in a layer's forward multiplies its
+    graphs per layer (the read of a 4-bit basis or an NF4 W0 goes through these tables)."""
+    return _TableCache(build)
+
+
+class _TableCache:
+    """:func:`table_cache`'s wrapper: callable as the build, with ``cache_clear()``."""
+
+    def __init__(self, build) -> None:
+        functools.update_wrapper(self, build)
+        self._build = build
+        self._cached = functools.lru_cache(maxsize=None)(self._build_real)
+
+    def _build_real(self, *args):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
         with unset_fake_temporarily(), torch.device("cpu"):
-            return build(*args)
+            return self._build(*args)
 
-    return cached
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self._build(*args)
+        return self._cached(*args)
+
+    def cache_clear(self) -> None:
+        self._cached.cache_clear()
 
 
 @table_cache

@@ -139,3 +139,32 @@ def test_moe_expert_stacks_compile_without_recompiling_per_step():
     losses, graphs = run(True)
     assert graphs[GAP] == graphs[-1] <= 8, graphs  # nothing compiled after the first gap (refreshes included)
     assert losses == pytest.approx(eager_losses, abs=1e-5)
+
+
+@pytest.mark.parametrize("weight_storage", ["int8", "nf4"])
+def test_compiled_quantized_w0_is_read_again_in_the_backward_not_saved_from_the_forward(weight_storage):
+    """Inductor, quantized W0: what autograd keeps from the forward for the backward holds the layers' W0 as
+    its codes (the 1-byte codes for int8; 4-bit bytes for nf4), never a dequantized fp32 m x n copy, which would
+    cost at every step the memory quantizing W0 saves. 32 tokens, so no activation has a W0's shape."""
+    torch._dynamo.reset()
+    model = build_tiny_llama(seed=0, num_hidden_layers=1)
+    config = hgp.GaLoreConfig.preset("qgalore_adamw_8bit", rank=8, update_proj_gap=100, weight_storage=weight_storage)
+    model = hgp.prepare_model(model, config)
+    optimizer = hgp.create_optimizer(model, lr=1e-3)
+    forward = torch.compile(model)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # calibration, then an ordinary step
+        forward(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        hgp.after_step(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    shapes = {(layer.out_features, layer.in_features) for _, layer in iter_galore_layers(model)}
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = forward(input_ids=ids, labels=ids).loss
+    loss.backward()
+    dense = [tuple(t.shape) for t in saved if t.is_floating_point() and tuple(t.shape) in shapes]
+    assert dense == [], f"dequantized W0 kept for the backward: {dense}"
+    code_sizes = {t.numel() for t in saved if t.dtype in (torch.int8, torch.uint8)}
+    expected = {m * n if weight_storage == "int8" else m * n // 2 for m, n in shapes}
+    assert expected <= code_sizes, (expected, code_sizes)  # every W0 is read again from its codes

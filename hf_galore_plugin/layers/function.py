@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["DequantizedBaseLinear", "galore_linear", "register_recorder"]
 
@@ -297,8 +298,11 @@ def galore_linear(
         h = record_tap(h, x2, *traced_record)  # dL/dh is dy: the addmm below adds h as it is
     if isinstance(alpha, torch.Tensor):
         # Traced (torch.compile): the multiplier as a tensor, a graph input rather than a constant to
-        # specialise on; the compiler fuses the scaling.
-        base = weight if weight is not None else read_weight(h.dtype)
+        # specialise on; the compiler fuses the scaling. A quantized W0 is read inside a checkpointed region,
+        # so the backward reads it again from its codes (as DequantizedBaseLinear does eagerly): otherwise the
+        # compiler saves every layer's dequantized m x n copy from the forward to the backward, the memory
+        # that quantizing W0 saves (tests/test_compile.py counts what the graph saves).
+        base = weight if weight is not None else checkpoint(read_weight, h.dtype, use_reentrant=False)
         y = torch.addmm(h, x2 * alpha.to(x2.dtype), base.mT)
     else:
         assert weight is not None

@@ -208,11 +208,14 @@ def dequantize_stored(
     in every forward and backward); `layout` is its keyword arguments (scheme, bits, block_size, numel,
     dtype), forwarded as given. No argument checks, and in eager mode the implementation is called
     directly, without the custom op's Python dispatch (tens of microseconds a call, more than the CPU work
-    of a small tensor). Traced code (torch.compile, fake tensors) goes through the op, as it does through
-    the checked entry point."""
-    traced = torch.compiler.is_compiling() or is_fake(codes)
-    if traced and not KERNEL_DISPATCH.inline_twins:
+    of a small tensor). Compiled code traces the torch twin, which the compiler fuses into the ops around
+    it (through the opaque op a compiled qgalore step was slower than its eager one); other traced code (the
+    planner's fake tensors) goes through the op, as it does through the checked entry point."""
+    if torch.compiler.is_compiling():
+        return functional.dequantize_blockwise_torch(codes, scales, zero_points, **layout)
+    fake = is_fake(codes)
+    if fake and not KERNEL_DISPATCH.inline_twins:
         return torch.ops.hf_galore.dequantize_blockwise(codes, scales, zero_points, **layout)
-    if not traced and use_triton(codes):
+    if not fake and use_triton(codes):
         return _kernels().dequantize_blockwise_triton(codes, scales, zero_points, **layout)
     return functional.dequantize_blockwise_torch(codes, scales, zero_points, **layout)
