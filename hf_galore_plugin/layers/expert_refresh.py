@@ -15,13 +15,12 @@ import warnings
 from typing import Optional, Protocol
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from ..engines.collectives import all_reduce_mean
-from ..engines.contract import change_basis, gathered_parameters
+from ..engines.contract import change_basis
 from ..projection import BasisError, basis_from_sketch, subspace_similarity, transport_matrix
-from .refresh import RefreshTarget, basis_from_gradient, update_lazy_gap
+from .refresh import RefreshTarget, basis_from_gradient, run_refresh, update_lazy_gap
 
 __all__ = ["ExpertRefreshTarget", "refresh"]
 
@@ -52,13 +51,7 @@ def refresh(stack: ExpertRefreshTarget, optimizer: Optional[torch.optim.Optimize
     """Fold the factors into W0 and give every expert that received tokens in the recorded step a new
     basis from its own gradient; the others keep theirs. Returns the mean subspace similarity of the
     experts that were refreshed and had a basis before (NaN when none had)."""
-    assert isinstance(stack, nn.Module), "an expert stack is an nn.Module (an engine gathers its parameters)"
-    stack.adopt_counter_writes()
-    try:
-        with gathered_parameters(optimizer, stack):
-            return _refresh_experts(stack, optimizer)
-    finally:
-        stack.update_refresh_due()
+    return run_refresh(stack, optimizer, _refresh_experts)
 
 
 @torch.no_grad()

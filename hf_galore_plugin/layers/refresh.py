@@ -17,7 +17,7 @@ functions as its methods) is checked against it by mypy.
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol, TypeVar
 
 import torch
 
@@ -40,6 +40,7 @@ __all__ = [
     "record_gradient",
     "refresh",
     "refresh_record_nbytes",
+    "run_refresh",
     "sketch_exchange_numel",
     "sketch_test_matrix",
     "update_lazy_gap",
@@ -210,13 +211,27 @@ def refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer] = N
     provides ``gathered_parameters(layer)``: a context in which the layer's partitioned
     parameters are whole (DeepSpeed ZeRO-3) and after which changes are partitioned again.
     """
+    return run_refresh(layer, optimizer, _refresh)
+
+
+_Target = TypeVar("_Target", bound=RefreshTarget)
+
+
+def run_refresh(
+    layer: _Target,
+    optimizer: Optional[torch.optim.Optimizer],
+    body: Callable[[_Target, Optional[torch.optim.Optimizer]], Optional[float]],
+) -> Optional[float]:
+    """Run a refresh `body` (a linear layer's or an expert stack's) on `layer`: its counters taken from their
+    buffers first, its parameters whole inside (an engine's gather), its due flag recomputed after, also
+    when `body` raises."""
     # A refresh syncs the device anyway (basis computation, similarity): the one place where comparing
     # the counter buffers with their host copies costs nothing extra.
     assert isinstance(layer, torch.nn.Module), "a GaLore layer is an nn.Module (an engine gathers its parameters)"
     layer.adopt_counter_writes()
     try:
         with gathered_parameters(optimizer, layer):
-            return _refresh(layer, optimizer)
+            return body(layer, optimizer)
     finally:
         layer.update_refresh_due()
 

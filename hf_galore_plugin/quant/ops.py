@@ -209,8 +209,8 @@ def dequantize_stored(
     dtype), forwarded as given. No argument checks, and in eager mode the implementation is called
     directly, without the custom op's Python dispatch (tens of microseconds a call, more than the CPU work
     of a small tensor). Compiled code traces the torch twin, which the compiler fuses into the ops around
-    it (through the opaque op a compiled qgalore step was slower than its eager one); other traced code (the
-    planner's fake tensors) goes through the op, as it does through the checked entry point."""
+    it (the op is opaque to it); other traced code (the planner's fake tensors) goes through the op, as it
+    does through the checked entry point."""
     if torch.compiler.is_compiling():
         return functional.dequantize_blockwise_torch(codes, scales, zero_points, **layout)
     fake = is_fake(codes)
