@@ -141,7 +141,7 @@ class GaLoreConfig:
     )
     refresh_schedule: str = _help(
         "When layers compute their bases: 'staggered' (each layer has a phase; layers are packed into phases "
-        "of at most refresh_budget_mb recorded bytes, a layer calibrates at step == its phase (its factor gets "
+        "of at most refresh_budget_mb held bytes (records and the inputs kept for them), a layer calibrates at step == its phase (its factor gets "
         "a zero gradient until then) and refreshes only at steps == its phase modulo update_proj_gap) or "
         "'aligned' (the GaLore paper's: every layer calibrates at step 0 and refreshes every gap at the same "
         "steps, so a refresh step holds every layer's record at once). Default 'staggered': no step holds "
@@ -149,10 +149,18 @@ class GaLoreConfig:
         default="staggered",
     )
     refresh_budget_mb: Optional[float] = _help(
-        "refresh_schedule='staggered' only: most MiB of refresh records (fp32 gradients; the sketches with "
-        "basis_method='sketch') held on any one step. Layers are packed into the fewest phases that respect it "
-        "(a layer larger than the budget gets a phase to itself; at most update_proj_gap phases). None: the "
-        "largest targeted layer's dense fp32 gradient.",
+        "refresh_schedule='staggered' only: most MiB a refresh step holds beyond an ordinary step: the refresh "
+        "records (fp32 gradients; the sketches with basis_method='sketch') and the inputs the recording layers "
+        "keep for them until their backward. Layers are packed into the fewest phases that respect it (a layer "
+        "larger than the budget gets a phase to itself; at most update_proj_gap phases). None: the largest "
+        "targeted layer's dense fp32 gradient.",
+        default=None,
+    )
+    refresh_tokens: Optional[int] = _help(
+        "refresh_schedule='staggered' only: the tokens of one forward on one rank (micro-batch x sequence "
+        "length) by which the staggered packing sizes the inputs a recording layer keeps. None: measured at "
+        "the model's first training forward (the largest over data-parallel ranks). Set it to make the phases "
+        "independent of the first batch and of the number of ranks.",
         default=None,
     )
     lazy_refresh: bool = _help(
@@ -403,6 +411,16 @@ class GaLoreConfig:
                 raise bad(
                     "refresh_budget_mb", "it bounds the staggered schedule only: set refresh_schedule='staggered'"
                 )
+        if self.refresh_tokens is not None:
+            if isinstance(self.refresh_tokens, bool) or not isinstance(self.refresh_tokens, int):
+                raise TypeError(
+                    f"GaLoreConfig.refresh_tokens must be an int (tokens of one forward) or None, got "
+                    f"{self.refresh_tokens!r}"
+                )
+            if self.refresh_tokens < 1:
+                raise bad("refresh_tokens", "use the tokens of one forward (micro-batch x sequence length), >= 1")
+            if self.refresh_schedule != "staggered":
+                raise bad("refresh_tokens", "it sizes the staggered schedule only: set refresh_schedule='staggered'")
         if self.oversampling < 0:
             raise bad("oversampling", "use 0 or more extra columns (5-10 is typical)")
         if self.power_iterations < 0:
@@ -643,8 +661,8 @@ def kept_on_resume(changed: dict[str, tuple[Any, Any]], current: GaLoreConfig) -
     default and this run at its new one was chosen by neither run: it is a version's default, not a
     request, so the resumed run keeps the saved value and continues as it started (a resumed run equals
     an uninterrupted one). A value other than the new default is a request and takes effect as every
-    changed schedule setting does; so does the new default together with a refresh_budget_mb, which
-    only the staggered schedule has.
+    changed schedule setting does; so does the new default together with a refresh_budget_mb or a
+    refresh_tokens, which only the staggered schedule has.
     """
     defaults = {f.name: f.default for f in dataclasses.fields(GaLoreConfig)}
     kept = {
@@ -652,7 +670,7 @@ def kept_on_resume(changed: dict[str, tuple[Any, Any]], current: GaLoreConfig) -
         for name in PAPER_REFRESH  # in its order, which the log line keeps
         if name in changed and changed[name] == (PAPER_REFRESH[name], defaults[name])
     }
-    if current.refresh_budget_mb is not None:
+    if current.refresh_budget_mb is not None or current.refresh_tokens is not None:
         kept.pop("refresh_schedule", None)
     return kept
 

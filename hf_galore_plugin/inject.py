@@ -569,6 +569,13 @@ def _galore_experts(experts: nn.Module, config: GaLoreConfig, layer_index: int) 
     return replacement
 
 
+def _experts_per_token(model: nn.Module) -> int:
+    """Experts each token is routed to (the model config's ``num_experts_per_tok``; 1 where it names none:
+    GaLoreExperts' forward then sets its stacks' count from the routing it is given)."""
+    value = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
 def replace_targets(model: nn.Module, config: GaLoreConfig, *, build: ModuleBuilder = build_in_place) -> TargetReport:
     """Replace every selected nn.Linear of `model` by a GaLoreLinear, in place; with ``config.experts`` every
     supported experts module by a GaLoreExperts. Each replacement is built through `build` (:class:`ModuleBuilder`),
@@ -584,9 +591,13 @@ def replace_targets(model: nn.Module, config: GaLoreConfig, *, build: ModuleBuil
         layers.append(layer)
         report.layer_scales[name] = layer.scale
         swap_submodule(model, name, layer)
+    routed = _experts_per_token(model)
     for name, experts_module in experts:
         # Seeds continue the linear layers' indices: two stacks (gate_up_proj, down_proj) per module.
         replacement = build(experts_module, functools.partial(_galore_experts, experts_module, config, len(layers)))
+        for projection in EXPERT_PROJECTIONS:
+            # what a recording stack keeps: its rows, top-k per token (the staggered packing counts them)
+            getattr(replacement, projection).rows_per_token = routed
         layers.extend(getattr(replacement, projection) for projection in EXPERT_PROJECTIONS)
         for projection in EXPERT_PROJECTIONS:
             report.layer_scales[f"{name}.{projection}"] = getattr(replacement, projection).scale

@@ -20,14 +20,21 @@ from conftest import build_tiny_llama
 
 STEPS = 10
 GAP = 3  # staggered: calibration at steps 0 and 1, then refresh phases at 3-4, 6-7, 9
+# Two phases at 2 x 16 tokens (each layer holds its sketch and its kept input of 32 fp32 tokens on its refresh step)
+BUDGET_MB = 0.1
 
 
-def _run(preset: str, *, compiled: bool, layers: int = 2, update_proj_gap: int = GAP, **config) -> dict:
+def _run(
+    preset: str, *, compiled: bool, layers: int = 2, update_proj_gap: int = GAP, refresh_budget_mb=BUDGET_MB, **config
+) -> dict:
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
     model = build_tiny_llama(seed=0, num_hidden_layers=layers)
-    model = hgp.prepare_model(model, hgp.GaLoreConfig.preset(preset, rank=8, update_proj_gap=update_proj_gap, **config))
+    config = hgp.GaLoreConfig.preset(
+        preset, rank=8, update_proj_gap=update_proj_gap, refresh_budget_mb=refresh_budget_mb, **config
+    )
+    model = hgp.prepare_model(model, config)
     optimizer = hgp.create_optimizer(model, lr=1e-3)
     forward = torch.compile(model, backend="eager") if compiled else model
     ids = torch.randint(0, 256, (STEPS, 2, 16), generator=torch.Generator().manual_seed(1))
@@ -77,7 +84,7 @@ def test_compiled_from_step_zero_is_two_graphs_without_breaks_and_trains_as_eage
 
 def test_graph_count_does_not_grow_with_layers_or_phases():
     # 6 decoder layers (three times the GaLore layers above, and more staggered phases) over a longer gap.
-    run = _run("galore_adamw", compiled=True, layers=6, update_proj_gap=8)
+    run = _run("galore_adamw", compiled=True, layers=6, update_proj_gap=8, refresh_budget_mb=0.15)  # 4 phases
     assert max(layer_phases := run["phases"]) >= 2, layer_phases
     assert run["graphs"] == 2 and run["breaks"] == 0
 
@@ -101,7 +108,8 @@ def test_rank_auto_compiled_recompiles_for_the_new_shapes_only_and_trains_as_eag
 def test_a_copied_model_records_into_its_own_layers():
     import copy
 
-    model = hgp.prepare_model(build_tiny_llama(seed=0), hgp.GaLoreConfig(rank=8, update_proj_gap=3))
+    config = hgp.GaLoreConfig(rank=8, update_proj_gap=3, refresh_schedule="aligned")  # every layer records at step 0
+    model = hgp.prepare_model(build_tiny_llama(seed=0), config)
     twin = copy.deepcopy(model)
     layer, twin_layer = next(iter_galore_layers(model))[1], next(iter_galore_layers(twin))[1]
     assert twin_layer._recorder_id != layer._recorder_id

@@ -17,6 +17,8 @@ from torch import nn
 from hf_galore_plugin import PRESETS, GaLoreConfig, after_step, create_optimizer, galore_layers, prepare_model, state_of
 from hf_galore_plugin.checkpoint.state import apply_mutable_changes, compare_galore_config
 from hf_galore_plugin.config import PAPER_REFRESH, kept_on_resume
+from hf_galore_plugin.layers import assign_refresh_phases
+from hf_galore_plugin.layers.schedule import StepTokens
 
 # Six layers of different sizes (fp32 gradients 1536 to 16896 bytes), left and right bases.
 SIZES = ((64, 33), (33, 25), (25, 96), (96, 44), (44, 32), (32, 12))
@@ -154,12 +156,14 @@ def test_resume_that_asks_for_the_staggered_schedule_repacks_the_saved_phases(ca
     with caplog.at_level(logging.WARNING, logger="hf_galore_plugin.api"):
         model, optimizer = _resume(saved, basis_method="svd", refresh_budget_mb=budget)
     assert "refresh_schedule 'aligned' -> 'staggered'" in caplog.text and "take effect" in caplog.text
-    fresh = _model(basis_method="svd", refresh_budget_mb=budget)  # what a new run packs
+    # what a new run packs at its first training forward: 16 fp32 rows
+    fresh = _model(basis_method="svd", refresh_budget_mb=budget)
+    assign_refresh_phases([layer for _, layer in galore_layers(fresh)], StepTokens(tokens=16, itemsize=4))
+    # each layer (last refreshed at step 6) refreshes once in the next gap, on its own phase step
+    trace = _run(model, optimizer, _data(GAP + 3))  # steps 9 .. 17; the first forward packs the phases
     phases = {name: int(layer.galore_phase) for name, layer in galore_layers(model)}
     assert phases == {name: int(layer.galore_phase) for name, layer in galore_layers(fresh)}
     assert len(set(phases.values())) > 1
-    # each layer (last refreshed at step 6) refreshes once in the next gap, on its own phase step
-    trace = _run(model, optimizer, _data(GAP + 3))  # steps 9 .. 17
     for name, phase in phases.items():
         assert [9 + i for i, (_, names) in enumerate(trace) if name in names] == [12 + phase], (name, phase)
     assert max(recorded for recorded, _ in trace) <= int(budget * 2**20)

@@ -344,7 +344,7 @@ class _RefreshLog(transformers.TrainerCallback):
         if state.global_step == self.switch_at:
             # The oracle: the setting changed by hand at this step, as a user would between two steps.
             state = hgp.state_of(model)
-            config = state.config = state.config.replace(refresh_schedule="staggered")
+            config = state.config = state.config.replace(refresh_schedule="staggered", refresh_tokens=8)
             layers = [layer for _, layer in hgp.galore_layers(model)]
             for layer in layers:
                 layer.config = config
@@ -355,9 +355,10 @@ class _RefreshLog(transformers.TrainerCallback):
 
 def test_refresh_schedule_changed_on_resume_takes_effect_at_the_resumed_step(tmp_path):
     # aligned until checkpoint-4, staggered from there: layer L (phase p) refreshes next at step 6 + p
-    # (gap 6, last refresh at 0; the 7 layers pack into 5 phases), against an uninterrupted run that
-    # switched at step 4.
-    aligned, staggered = "rank=4,update_proj_gap=6", "rank=4,update_proj_gap=6,refresh_schedule=staggered"
+    # (gap 6, last refresh at 0; the 7 layers, packed at refresh_tokens=8, into 3 phases), against an
+    # uninterrupted run that switched at step 4.
+    aligned = "rank=4,update_proj_gap=6,refresh_schedule=aligned"
+    staggered = "rank=4,update_proj_gap=6,refresh_schedule=staggered,refresh_tokens=8"
     _trainer(tmp_path / "first", optim_args=aligned, max_steps=11, save_steps=4).train()  # the same LR schedule
     oracle_log = _RefreshLog(switch_at=4)
     oracle = _trainer(tmp_path / "oracle", optim_args=aligned, max_steps=11, save_strategy="no")

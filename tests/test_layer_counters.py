@@ -44,7 +44,8 @@ def _reads_per_part(decoder_layers: int, preset: str, steps: int) -> tuple[int, 
     ordinary steps) of a tiny Llama. The gap is beyond the run: after the calibration steps (one per
     staggered phase, traced too but not returned) no layer refreshes."""
     model = build_tiny_llama(num_hidden_layers=decoder_layers)
-    hgp.prepare_model(model, _config(preset, update_proj_gap=100))
+    # refresh_tokens: the phases packed at preparation for the run's 2 x 16 tokens (known before the first step)
+    hgp.prepare_model(model, _config(preset, update_proj_gap=100, refresh_tokens=32))
     optimizer = hgp.create_optimizer(model, lr=1e-3)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     phases = 1 + max(layer.counter("galore_phase") for _, layer in hgp.galore_layers(model))

@@ -7,6 +7,7 @@ uninterrupted run (resume) and one process (2 DDP ranks).
 
 from __future__ import annotations
 
+import copy
 import io
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_
 from hf_galore_plugin.config import PAPER_REFRESH
 from hf_galore_plugin.integrations.optim_args import parse_optim_args
 from hf_galore_plugin.layers import assign_refresh_phases
+from hf_galore_plugin.layers.schedule import StepTokens
 from hf_galore_plugin.projection import basis_from_sketch, subspace_similarity
 
 from distributed._launch import run_one_process, run_two_ranks
@@ -80,16 +82,24 @@ def test_staggered_layers_refresh_once_per_gap_at_their_phase_within_the_budget(
     extra = {"lazy_refresh": True, "lazy_window": 1, "cos_threshold": 0.0, "max_proj_gap": 20} if lazy else {}
     model = _model(refresh_schedule="staggered", refresh_budget_mb=budget_mb, **extra)
     layers = dict(galore_layers(model))
-    costs = {name: layer.refresh_record_nbytes() for name, layer in layers.items()}
-    capacity = int(budget_mb * 2**20) if budget_mb else max(costs.values())  # default: the largest layer
+    assert all(layer.pending_phase_packing is not None for layer in layers.values())  # packed at the first forward
+    steps = 60
+    trace = _run(model, create_optimizer(model, lr=1e-2), _data(steps))
+    assert all(layer.pending_phase_packing is None for layer in layers.values())
+
+    # What a layer holds on its refresh step: its record (the dense fp32 gradient: PAPER_REFRESH) and its
+    # input x of 16 fp32 rows, kept for the record until its backward.
+    costs = {name: 4 * layer.out_features * layer.in_features + 16 * layer.in_features * 4
+             for name, layer in layers.items()}  # fmt: skip
+    largest_gradient = max(4 * layer.out_features * layer.in_features for layer in layers.values())
+    # the budget (default: the largest layer's gradient), raised to the largest layer's hold
+    capacity = max(int(budget_mb * 2**20) if budget_mb else largest_gradient, *costs.values())
     phases = {name: int(layer.galore_phase) for name, layer in layers.items()}
     per_phase = [sum(c for n, c in costs.items() if phases[n] == p) for p in range(max(phases.values()) + 1)]
     assert all(0 < load <= capacity for load in per_phase)
     assert len(per_phase) == -(-sum(costs.values()) // capacity)  # no more phases than the bytes need
     assert 1 < len(per_phase) < len(layers)
-
-    steps = 60
-    trace = _run(model, create_optimizer(model, lr=1e-2), _data(steps))
+    records = {name: layer.refresh_record_nbytes() for name, layer in layers.items()}
     assert max(recorded for recorded, _ in trace) <= capacity < sum(costs.values())
     gap = 6
     for name in layers:
@@ -102,7 +112,7 @@ def test_staggered_layers_refresh_once_per_gap_at_their_phase_within_the_budget(
         else:  # exactly once per gap
             assert refreshed_at == list(range(phases[name], steps, gap))
     for recorded, names in trace:
-        assert recorded == sum(costs[n] for n in names)
+        assert recorded == sum(records[n] for n in names)
 
 
 def test_aligned_schedule_records_every_layer_at_once():
@@ -156,6 +166,141 @@ def test_config_fields_validate_and_parse_from_optim_args():
         GaLoreConfig(refresh_schedule="staggered", refresh_budget_mb=0)
     with pytest.raises(TypeError, match="refresh_budget_mb must be a number"):
         GaLoreConfig(refresh_schedule="staggered", refresh_budget_mb="64")
+
+
+# ---------------------------------------------------------------------------------------------- kept inputs
+# A recording layer keeps its whole input x from its forward to its backward (an ordinary step keeps x Q), so
+# the staggered phases are packed by records and inputs, at the tokens of the first training forward.
+def test_phases_are_packed_at_the_first_training_forward_with_its_tokens():
+    model = _model(refresh_schedule="staggered")
+    layers = [layer for _, layer in galore_layers(model)]
+    provisional = [layer.counter("galore_phase") for layer in layers]
+    oracle = copy.deepcopy(model)  # the explicit packing of the same layers with the forward's size
+    expected = assign_refresh_phases([layer for _, layer in galore_layers(oracle)], StepTokens(tokens=40, itemsize=4))
+    assert expected != provisional  # the inputs change the packing here: the check below is not vacuous
+    model.eval()
+    model(torch.randn(3, 64))  # evaluation: not the training step's batch
+    model.train()
+    assert [layer.counter("galore_phase") for layer in layers] == provisional
+    assert all(layer.pending_phase_packing is not None for layer in layers)
+
+    model(torch.randn(5, 8, 64))  # 40 tokens, fp32
+    assert [layer.counter("galore_phase") for layer in layers] == expected
+    assert all(layer.pending_phase_packing is None for layer in layers)
+    model(torch.randn(2, 64))  # a later forward of another size changes nothing
+    assert [layer.counter("galore_phase") for layer in layers] == expected
+
+
+def test_refresh_tokens_packs_at_preparation_as_the_first_forward_would():
+    measured = _model(refresh_schedule="staggered")
+    measured(torch.randn(24, 64))
+    given = _model(refresh_schedule="staggered", refresh_tokens=24)
+    assert all(layer.pending_phase_packing is None for _, layer in galore_layers(given))
+    phases = [layer.counter("galore_phase") for _, layer in galore_layers(given)]
+    assert phases == [layer.counter("galore_phase") for _, layer in galore_layers(measured)]
+    given(torch.randn(200, 64))  # the setting stands, whatever the batch
+    assert [layer.counter("galore_phase") for _, layer in galore_layers(given)] == phases
+
+
+def test_data_parallel_ranks_pack_with_the_largest_first_batch(monkeypatch):
+    # Each rank's first batch may be padded to another length; the phases (which pair the ranks' refresh
+    # collectives) must be the same on every rank: the largest token count of all ranks.
+    model = _model(refresh_schedule="staggered")
+    oracle = copy.deepcopy(model)
+    expected = assign_refresh_phases([layer for _, layer in galore_layers(oracle)], StepTokens(tokens=64, itemsize=4))
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "gloo")
+    monkeypatch.setattr(
+        torch.distributed, "all_reduce", lambda t, op=None: reduced.append((int(t), op)) or t.fill_(max(int(t), 64))
+    )
+    model(torch.randn(16, 64))
+    assert reduced == [(16, torch.distributed.ReduceOp.MAX)]
+    assert [layer.counter("galore_phase") for _, layer in galore_layers(model)] == expected
+
+
+def test_loaded_phases_stand_whatever_the_first_batch_of_the_resumed_run():
+    # A resumed run refreshes on the steps of the run it continues (bit-identical resume), even if its first
+    # batch has another size than the saving run's first batch.
+    model = _model(refresh_schedule="staggered")
+    _run(model, create_optimizer(model, lr=1e-2), _data(2))  # packed at 16 tokens
+    saved = {name: layer.counter("galore_phase") for name, layer in galore_layers(model)}
+    resumed = _model(refresh_schedule="staggered")
+    resumed.load_state_dict(model.state_dict())
+    assert all(layer.pending_phase_packing is None for _, layer in galore_layers(resumed))
+    resumed(torch.randn(200, 64))
+    assert {name: layer.counter("galore_phase") for name, layer in galore_layers(resumed)} == saved
+    fresh = _model(refresh_schedule="staggered")
+    fresh(torch.randn(200, 64))
+    assert {name: layer.counter("galore_phase") for name, layer in galore_layers(fresh)} != saved  # not vacuous
+
+
+# A tiny Llama without activation checkpointing, 2 x 16 tokens a step, rank 8, update_proj_gap 4, sketches (the
+# defaults): 14 layers whose sketches (8 KiB each) all fit the default budget (the largest layer's fp32
+# gradient, 4 x 128 x 344 bytes), but whose kept inputs do not.
+KEPT_LLAMA = dict(
+    hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    vocab_size=512, max_position_embeddings=64, tie_word_embeddings=False,
+)  # fmt: skip
+KEPT_BATCH, KEPT_SEQ, KEPT_GAP, KEPT_STEPS = 2, 16, 4, 8
+KEPT_BUDGET = 4 * 128 * 344
+
+
+@pytest.fixture(scope="module")
+def llama_step_peaks():
+    """Per step of a tiny Llama run (the first 8): (layers that record, peak live tensor bytes)."""
+    from conftest import build_tiny_llama
+
+    from hf_galore_plugin.plan.tracker import LiveBytes
+
+    model = prepare_model(build_tiny_llama(seed=0, **KEPT_LLAMA), GaLoreConfig(rank=8, update_proj_gap=KEPT_GAP))
+    layers = [layer for _, layer in galore_layers(model)]
+    optimizer = create_optimizer(model, lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    steps = []
+    with LiveBytes() as tracker:
+        for _ in range(KEPT_STEPS):
+            ids = torch.randint(0, KEPT_LLAMA["vocab_size"], (KEPT_BATCH, KEPT_SEQ), generator=gen)
+            tracker.reset_peak()
+            loss = model(input_ids=ids, labels=ids).loss
+            recording = sum(layer.refresh_due for layer in layers)  # after the forward, which packed the phases
+            loss.backward()
+            optimizer.step()
+            after_step(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            # A loop that keeps the loss (to log it) keeps its graph, and with it what a recording layer's
+            # hook holds (its input), through the optimizer step and the refresh: the case where inputs and
+            # records are alive together.
+            del loss
+            steps.append((recording, tracker.peak))
+    return steps
+
+
+def test_refresh_step_peak_within_ordinary_step_peak_plus_budget(llama_step_peaks):
+    # Oracle: the live tensor bytes of the ordinary step 7 (every state exists, no layer records).
+    recording = [count for count, _ in llama_step_peaks]
+    assert recording[-1] == 0 and sum(recording) == 2 * 14  # calibrations, then one refresh each
+    ordinary = llama_step_peaks[-1][1]
+    over = [peak - ordinary for count, peak in llama_step_peaks if count > 0]
+    assert max(over) <= KEPT_BUDGET, (over, KEPT_BUDGET)
+    assert max(over) > KEPT_BUDGET / 4  # a refresh step does hold measurably more than an ordinary one
+
+
+def test_planned_refresh_step_holds_at_least_the_measured_one(llama_step_peaks):
+    # The planner's refresh step over its normal step, for the same model, tokens and settings, against the
+    # measured run's refresh steps over its ordinary one: the plan may not promise less than a run holds.
+    from transformers import LlamaConfig
+
+    from hf_galore_plugin.plan.trace import Settings, trace_method
+
+    settings = Settings(seq_len=KEPT_SEQ, batch_size=KEPT_BATCH, dtype=torch.float32, gradient_checkpointing=False,
+                        device="cpu", rank=8, lora_rank=8, optim_args={"update_proj_gap": KEPT_GAP})  # fmt: skip
+    plan = trace_method(LlamaConfig(**KEPT_LLAMA), "galore_adamw", settings)
+    planned = plan.refresh.peak_bytes - plan.normal.peak_bytes
+    ordinary = llama_step_peaks[-1][1]
+    measured = max(peak - ordinary for count, peak in llama_step_peaks if count > 0)
+    assert measured <= planned <= KEPT_BUDGET, (measured, planned, KEPT_BUDGET)
 
 
 # ---------------------------------------------------------------------------------------------- sketch

@@ -30,14 +30,15 @@ SMALL_LLAMA = dict(
 )  # fmt: skip
 GAP = 6
 STEPS = 19  # optimizer steps 0-18: three grid steps of the gap after the switch (6, 12, 18)
-# Every one of the 7 linears records a 1536-byte sketch (rank 4 + 8 columns x 32): a budget of two records
-# packs them into 4 phases (0-3), so the two schedules refresh on different steps.
-BUDGET_MB = 3100 / 2**20
-STAGGERED = f"rank=4,update_proj_gap={GAP},refresh_schedule=staggered,refresh_budget_mb={BUDGET_MB!r}"
+# On its refresh step each of the 7 linears holds a 1536-byte sketch (rank 4 + 8 columns x 32) and its input
+# of 32 fp32 tokens (refresh_tokens: 4 x 8): 5632 bytes (input width 32) or 9728 (down_proj, width 64). A
+# budget of two of the first packs them into 4 phases (0-3), so the two schedules refresh on different steps.
+BUDGET_MB = 2 * 5632 / 2**20
+STAGGERED = f"rank=4,update_proj_gap={GAP},refresh_schedule=staggered,refresh_budget_mb={BUDGET_MB!r},refresh_tokens=32"
 ALIGNED = f"rank=4,update_proj_gap={GAP},refresh_schedule=aligned"
 NEW_CONFIG = {
-    "aligned": {"refresh_schedule": "aligned", "refresh_budget_mb": None},
-    "staggered": {"refresh_schedule": "staggered", "refresh_budget_mb": BUDGET_MB},
+    "aligned": {"refresh_schedule": "aligned", "refresh_budget_mb": None, "refresh_tokens": None},
+    "staggered": {"refresh_schedule": "staggered", "refresh_budget_mb": BUDGET_MB, "refresh_tokens": 32},
 }
 
 

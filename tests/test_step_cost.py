@@ -49,7 +49,9 @@ def _galore_run(preset, *, vocab=256, weight_decay=0.01, **overrides):
     optimizer = hgp.create_optimizer(model, lr=1e-3, weight_decay=weight_decay)
     tokens = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
     step = _stepper(model, optimizer, tokens, lambda: hgp.after_step(model, optimizer))
-    for _ in range(3):  # the calibration step and two ordinary ones
+    step()  # the first forward packs the staggered phases
+    phases = 1 + max(layer.counter("galore_phase") for _, layer in hgp.galore_layers(model))
+    for _ in range(phases + 1):  # the other phases' calibration steps and two ordinary ones
         step()
     return model, optimizer, step
 
@@ -156,10 +158,12 @@ def test_state_dict_holds_the_step_count_the_clock_advanced(preset):
     """galore_step advances on the model's shared clock; its buffer is written when the state is read out,
     so a state_dict saved after ordinary steps holds the true count."""
     model, _, step = _galore_run(preset)
+    # _galore_run's steps: the first, one per other phase and one more; then this one
+    steps = 1 + max(layer.counter("galore_phase") for _, layer in hgp.galore_layers(model)) + 3
     step()
     state = model.state_dict()
     for name, layer in hgp.galore_layers(model):
-        assert int(state[f"{name}.galore_step"]) == layer.counter("galore_step") == 4
+        assert int(state[f"{name}.galore_step"]) == layer.counter("galore_step") == steps
 
 
 def _losses(model, optimizer, after, counter=None):

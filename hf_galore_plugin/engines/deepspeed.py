@@ -99,8 +99,10 @@ class DeepSpeedGaLoreOptimizer:
             if isinstance(getattr(m, "galore_factor", None), torch.Tensor)
         }
         phases = [int(m.galore_phase) for m in self._layers.values()]
-        if config.state_bits == 8 and config.moment_handling == "reset" and any(phase > 0 for phase in phases):
-            # Checked here rather than at the first staggered refresh, many steps into the run.
+        pending = any(getattr(m, "pending_phase_packing", None) is not None for m in self._layers.values())
+        if config.state_bits == 8 and config.moment_handling == "reset" and (pending or any(p > 0 for p in phases)):
+            # Checked here rather than at the first staggered refresh, many steps into the run; phases still to be
+            # packed at the first forward may spread the layers.
             raise NotImplementedError(
                 "moment_handling='reset' with refresh_schedule='staggered' under DeepSpeed ZeRO with 8-bit state: a "
                 "refresh would reset one factor's 8-bit moments inside a ZeRO flat partition, which is not supported; "

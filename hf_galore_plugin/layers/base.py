@@ -120,6 +120,9 @@ class GaLoreLayerBase(GaLoreWeights):
         # refresh_schedule='staggered' (set for all layers at once by assign_refresh_phases); 0 = aligned.
         self.register_buffer("galore_phase", buf(initial["galore_phase"], torch.int64))
         self._phase = 0  # the phase as a Python int, to restore the buffer after to_empty() (meta device)
+        # Set while the staggered phases wait for the model's first training forward to be packed with its
+        # tokens (schedule.PendingPacking, shared by the layers packed together); None otherwise.
+        self.pending_phase_packing: Optional[_schedule.PendingPacking] = None
         # What this step's backward recorded for the next basis: the dense fp32 gradient (m x n), or with
         # basis_method='sketch' a dict side -> sketch (the basis side's dimension x k). It lives from the
         # step's first backward to its after_optimizer_step, so a checkpoint (taken between steps) never
@@ -198,8 +201,12 @@ class GaLoreLayerBase(GaLoreWeights):
 
         ``galore_step``'s buffer is written when the layer's state is read out (``state_dict()``, a
         refresh), not at every step: here it is taken only if it holds another value than the layer last
-        wrote to it (a direct write); a load always takes it."""
+        wrote to it (a direct write); a load always takes it. A phase written this way stands: the packing
+        at the first training forward (:class:`~.schedule.PendingPacking`) is cancelled."""
+        phase = self.counts.values["galore_phase"]
         self._read_counter_buffers(loaded=False)
+        if self.counts.values["galore_phase"] != phase:
+            _schedule.PendingPacking.cancel([self])
 
     @torch.no_grad()
     def _read_counter_buffers(self, *, loaded: bool) -> None:
@@ -324,11 +331,13 @@ class GaLoreLayerBase(GaLoreWeights):
 
         The hook for whatever assigns phases: :func:`~.schedule.assign_refresh_phases` at preparation and
         on a resume with other settings, and the memory planner, which stages which layers refresh on its
-        traced steps. Host copies and buffers are written together (no device sync)."""
+        traced steps. Host copies and buffers are written together (no device sync). The phase set stands: a
+        packing waiting for the first training forward is cancelled (for every layer it would have packed)."""
         if phase < 0:
             raise ValueError(f"refresh phase must be >= 0, got {phase}")
         if gap is not None and gap < 1:
             raise ValueError(f"refresh gap must be >= 1, got {gap}")
+        _schedule.PendingPacking.cancel([self])
         self.counts.set("galore_phase", phase)
         self._phase = phase
         if gap is not None:
@@ -340,6 +349,14 @@ class GaLoreLayerBase(GaLoreWeights):
         if self._adaptive is not None:
             rank = _rank_mod.record_rank(self, rank)  # the calibration's spectrum, or the rank to take
         return min(rank + self.config.oversampling, self.out_features, self.in_features)
+
+    def kept_input_nbytes(self, tokens: int, itemsize: int) -> int:
+        """Bytes of the input x a recording layer keeps from its forward to its backward for its record, at
+        `tokens` tokens of `itemsize` bytes per value (an expert stack: its rows_per_token rows per token)."""
+        return tokens * self.rows_per_token * self.in_features * itemsize
+
+    # Rows of this layer's input per token of the model's forward: 1, an expert stack's routed share.
+    rows_per_token = 1
 
     @property
     def rank_state(self) -> Optional[_rank_mod.AdaptiveRank]:
@@ -416,6 +433,10 @@ class GaLoreLayerBase(GaLoreWeights):
             self._load_folded_scale(state_dict, prefix, missing_keys)
         if prefix + "galore_step" in state_dict:
             self._built_on_meta = False  # its own state came with the load
+        if prefix + "galore_phase" in state_dict:
+            # Phases packed by the run that saved them (with its tokens) stand: a resumed run refreshes on the
+            # steps of the run it continues.
+            _schedule.PendingPacking.cancel([self])
         if prefix + "galore_step" in state_dict or (self.weight is not None and prefix + "weight" in state_dict):
             self._base_initialised = True
         # The load copied into (or, with assign=True, replaced) the counter buffers: refresh the host

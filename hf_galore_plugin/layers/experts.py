@@ -154,6 +154,9 @@ class GaLoreExpertStack(GaLoreLinear):
         # Compiled: W0's multiplier as a tensor and the record through the record ops (as GaLoreLinear.forward).
         compiling = torch.compiler.is_compiling()
         alpha: float | torch.Tensor = self.base_multiplier if compiling else self._alpha
+        if not compiling and self.pending_phase_packing is not None and self.training:
+            # the model's first training forward: packed before any record, at this stack's rows per token
+            self.pending_phase_packing.pack(x, rows_per_token=self.rows_per_token)
         record = not compiling and self.refresh_due
         traced = compiling and self._compiled_record
         outputs, start = [], 0
@@ -191,6 +194,10 @@ class GaLoreExpertStack(GaLoreLinear):
         return self.effective_weight(dtype)[expert]
 
     # ------------------------------------------------------------------ refresh records
+    def observe_traced_input(self, part: int, x: torch.Tensor) -> None:
+        """A compiled stack's record tap sees one expert's rows, which do not give the forward's tokens: the
+        phases are packed by a linear layer's tap, or by :meth:`forward` (which GaLoreExperts runs eagerly)."""
+
     def record_traced(self, part: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         if self.refresh_due:
             self._record_expert(part, dy, x)
@@ -350,6 +357,7 @@ class GaLoreExperts(nn.Module):
             order = order[:used]
             tokens = order // top_k
         rows = hidden_states[tokens]
+        self.gate_up_proj.rows_per_token = self.down_proj.rows_per_token = top_k  # the routing in force
         hidden = self.gate_up_proj(rows, counts)
         hidden = self._gate(hidden)
         out = self.down_proj(hidden, counts)

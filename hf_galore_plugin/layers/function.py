@@ -78,7 +78,7 @@ _RECORDER_IDS = itertools.count()
 
 def register_recorder(layer: Any) -> int:
     """An id under which the compiled record ops find `layer` (held weakly); `layer` implements
-    ``record_traced(part, dy, x)``."""
+    ``observe_traced_input(part, x)`` and ``record_traced(part, dy, x)``."""
     key = next(_RECORDER_IDS)
     _RECORDERS[key] = layer
     return key
@@ -86,7 +86,11 @@ def register_recorder(layer: Any) -> int:
 
 @torch.library.custom_op("hf_galore::record_tap", mutates_args=())
 def record_tap(h: torch.Tensor, x: torch.Tensor, layer: int, part: int) -> torch.Tensor:
-    """Identity on `h` (a copy: an op's output may not alias its input); its backward records (dy, x)."""
+    """Identity on `h` (a copy: an op's output may not alias its input); its backward records (dy, x). The
+    layer sees `x` first (``observe_traced_input``: the phases packed at the first training forward)."""
+    target = _RECORDERS.get(layer)
+    if target is not None:
+        target.observe_traced_input(part, x)
     return h.clone()
 
 

@@ -337,6 +337,8 @@ class GaLoreLinear(GaLoreLayerBase):
             alpha: float | torch.Tensor = self.base_multiplier
             record, traced = None, (self._recorder_id, -1) if self._compiled_record else None
         else:
+            if self.pending_phase_packing is not None and self.training:
+                self.pending_phase_packing.pack(x)  # the model's first training forward: before any record
             alpha, traced = self._alpha, None
             record = self.record_gradient if self.refresh_due else None
         return galore_linear(
@@ -353,6 +355,12 @@ class GaLoreLinear(GaLoreLayerBase):
             residual,
             traced,
         )
+
+    def observe_traced_input(self, part: int, x: torch.Tensor) -> None:
+        """The compiled forward's record tap (function.record_tap) on a record step: the phases waiting for
+        the first training forward are packed here, with this input, before any layer records."""
+        if self.pending_phase_packing is not None and self.training:
+            self.pending_phase_packing.pack(x)
 
     def record_traced(self, part: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         """The compiled forward's record (function.record_gradient): record (dy, x) if this layer is due."""

@@ -8,10 +8,17 @@ one step holds at most the budget (docs/guides/options.md "Refresh memory"). The
 in force, not from the counters, so a run whose schedule changed (a resume with other settings) keeps to
 the new grid from then on, whatever steps its last refreshes fell on.
 
+What a phase holds is everything its recording layers keep on the refresh step beyond an ordinary step:
+their records (``refresh_record_nbytes()``) and the inputs kept for them (a recording layer keeps its whole
+input x from its forward to its backward, where an ordinary step keeps x Q), whose bytes depend on the tokens
+of one forward. ``refresh_tokens`` gives them; without it the phases are packed by the records when the model
+is prepared and again at its first training forward (:class:`PendingPacking`, the largest token count of the
+data-parallel ranks), before any layer of that step records. A load of saved phases keeps them instead.
+
 The rule is two pure functions of a :class:`Counters` snapshot and a layer's fixed :class:`Schedule`
-(testable without a layer); the phase assignment takes the layers (their ``refresh_record_nbytes()`` and
-:meth:`~hf_galore_plugin.layers.GaLoreLinear.set_refresh_phase`). None of it runs inside a training step's
-forward or backward.
+(testable without a layer); the phase assignment takes the layers (their ``refresh_record_nbytes()``,
+``kept_input_nbytes()`` and :meth:`~hf_galore_plugin.layers.GaLoreLinear.set_refresh_phase`). Only the one
+packing at the first training forward runs inside a training step; an ordinary step reads one attribute.
 """
 
 from __future__ import annotations
@@ -20,15 +27,20 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 __all__ = [
     "Counters",
+    "PendingPacking",
     "Schedule",
     "StepClock",
+    "StepTokens",
     "assign_refresh_phases",
     "grid_phase",
     "next_refresh_step",
     "pack_refresh_phases",
     "refresh_due",
+    "refresh_hold_nbytes",
     "refresh_phase_capacity",
 ]
 
@@ -115,9 +127,29 @@ def next_refresh_step(counters: Counters, schedule: Schedule) -> Optional[int]:
     return first + (grid_phase(counters, schedule) - first) % schedule.period
 
 
+@dataclass(frozen=True)
+class StepTokens:
+    """The size of one forward's input to the layers: what a recording layer keeps until its backward."""
+
+    tokens: int  # rows of a linear layer's input in one forward (micro-batch x sequence) on one rank
+    itemsize: int  # bytes per value of the input as the layer receives it
+
+
+def refresh_hold_nbytes(layer: Any, inputs: Optional[StepTokens]) -> int:
+    """Bytes a refresh step holds for `layer` beyond an ordinary step: its record (the fp32 gradient or
+    sketches, from its backward to the refresh) and, given `inputs`, the input it keeps for the record
+    (``layer.kept_input_nbytes``). A layer with nothing to refresh holds nothing. Layers that read the same
+    input (q, k and v) each count it: a bound, never an underestimate."""
+    record = layer.refresh_record_nbytes()
+    if record == 0 or inputs is None:
+        return record
+    return record + layer.kept_input_nbytes(inputs.tokens, inputs.itemsize)
+
+
 def refresh_phase_capacity(config, layers: list[Any], costs: list[int]) -> int:
-    """Most bytes of refresh records one staggered phase may hold: ``refresh_budget_mb``, by default the
-    largest targeted layer's dense fp32 gradient; never less than the largest single record."""
+    """Most bytes one staggered phase may hold (`costs`: :func:`refresh_hold_nbytes` per layer):
+    ``refresh_budget_mb``, by default the largest targeted layer's dense fp32 gradient; never less than
+    the largest single layer's."""
     if config.refresh_budget_mb is not None:
         budget = int(config.refresh_budget_mb * 2**20)
     else:
@@ -165,40 +197,93 @@ def pack_refresh_phases(costs: list[int], capacity: int, gap: int) -> tuple[list
     return (balanced if peak(balanced) <= capacity else phase_of), False
 
 
-def assign_refresh_phases(layers: list[Any]) -> list[int]:
+def assign_refresh_phases(layers: list[Any], inputs: Optional[StepTokens] = None) -> list[int]:
     """Give each layer its refresh phase (``galore_phase``) under refresh_schedule='staggered'; returns the
     phases in the layers' order (all 0 under 'aligned'), readable also for layers on the meta device.
 
-    Rule: the layers' refresh records (:meth:`GaLoreLinear.refresh_record_nbytes`) are packed into the
-    fewest phases whose records fit the budget (``refresh_budget_mb``; default the largest layer's dense
-    fp32 gradient; a layer above it gets a phase to itself) by first-fit decreasing, then spread over that
-    many phases by largest-first onto the lightest phase when that still fits, so the steps carry about
-    equal bytes. More phases than update_proj_gap steps cannot exist: the layers are then balanced over
-    update_proj_gap phases and the budget is exceeded (a warning says by how much). Deterministic (ties
-    broken by the layers' order), so every data-parallel rank computes the same phases.
+    Rule: what each layer holds on its refresh step (:func:`refresh_hold_nbytes`: its record and its kept
+    input at `inputs`, else at ``refresh_tokens``) is packed into the fewest phases that fit the budget
+    (``refresh_budget_mb``; default the largest layer's dense fp32 gradient; a layer above it gets a phase to
+    itself) by first-fit decreasing, then spread over that many phases by largest-first onto the lightest
+    phase when that still fits, so the steps carry about equal bytes. More phases than update_proj_gap steps
+    cannot exist: the layers are then balanced over update_proj_gap phases and the budget is exceeded (a
+    warning says by how much). Deterministic (ties broken by the layers' order), so every data-parallel rank
+    computes the same phases from the same tokens.
+
+    Without either token count the phases are packed by the records for now and packed again at the first
+    training forward of any of the layers (:class:`PendingPacking`), with the tokens and dtype of its input.
     """
     layers = list(layers)
     if not layers:
         return []
+    PendingPacking.cancel(layers)
     config = layers[0].config
     if config.refresh_schedule != "staggered":
         for layer in layers:
             layer.set_refresh_phase(0)
         return [0] * len(layers)
-    costs = [layer.refresh_record_nbytes() for layer in layers]
+    if inputs is None and config.refresh_tokens is not None:
+        inputs = StepTokens(config.refresh_tokens, layers[0].galore_factor.element_size())
+    costs = [refresh_hold_nbytes(layer, inputs) for layer in layers]
     capacity = refresh_phase_capacity(config, layers, costs)
     phase_of, overflow = pack_refresh_phases(costs, capacity, config.update_proj_gap)
     if overflow:
         loads: dict[int, int] = {}
         for i, phase in enumerate(phase_of):
             loads[phase] = loads.get(phase, 0) + costs[i]
+        held = "records" if inputs is None else f"records and inputs of {inputs.tokens} tokens"
         warnings.warn(
-            f"refresh_schedule='staggered': {sum(c > 0 for c in costs)} layers do not fit "
+            f"refresh_schedule='staggered': the {held} of {sum(c > 0 for c in costs)} layers do not fit "
             f"update_proj_gap={config.update_proj_gap} phases of {capacity / 2**20:.1f} MiB; the largest phase "
-            f"records {max(loads.values()) / 2**20:.1f} MiB. Raise refresh_budget_mb or update_proj_gap, or use "
-            "basis_method='sketch' (smaller records)",
+            f"holds {max(loads.values()) / 2**20:.1f} MiB. Raise refresh_budget_mb or update_proj_gap, or use "
+            "basis_method='sketch' (smaller records) or fewer tokens per micro-batch (smaller inputs)",
             stacklevel=2,
         )
     for layer, phase in zip(layers, phase_of):
         layer.set_refresh_phase(phase)
+    if inputs is None:
+        pending = PendingPacking(layers)
+        for layer in layers:
+            layer.pending_phase_packing = pending
     return phase_of
+
+
+class PendingPacking:
+    """The layers of one :func:`assign_refresh_phases` whose phases wait for the first training forward.
+
+    Every layer of the group holds it as ``pending_phase_packing`` until the packing: a layer's training
+    forward (or, compiled, its record op) calls :meth:`pack` with its input, which packs the whole group
+    with that input's tokens, agreed across data-parallel ranks (their largest), and clears the attribute on
+    every layer. An explicit phase (``set_refresh_phase``) or a load of saved phases cancels it."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        self.layers = layers
+
+    def pack(self, x: torch.Tensor, *, rows_per_token: int = 1) -> None:
+        """Pack with the size of `x`, an input of `rows_per_token` rows per token (an expert stack's
+        share of the rows routed to all experts)."""
+        rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
+        tokens = _largest_across_ranks(max(rows // max(rows_per_token, 1), 1), x.device)
+        assign_refresh_phases(self.layers, StepTokens(tokens, x.element_size()))
+
+    @staticmethod
+    def cancel(layers: list[Any]) -> None:
+        """Cancel the pending packing of every group a layer of `layers` belongs to (its phases stand)."""
+        for layer in layers:
+            pending = getattr(layer, "pending_phase_packing", None)
+            if pending is not None:
+                for member in pending.layers:
+                    member.pending_phase_packing = None
+
+
+def _largest_across_ranks(tokens: int, device: torch.device) -> int:
+    # The phases pair the ranks' refresh collectives, so every rank packs with the same count: the largest
+    # (each rank's first batch may be padded to another length). Memory is per rank, so it is a rank's count.
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return tokens
+    backend = dist.get_backend()
+    on = device if backend != "gloo" else torch.device("cpu")
+    value = torch.tensor([tokens], dtype=torch.int64, device=on)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())

@@ -54,11 +54,14 @@ class MethodTrace:
     # optimizer state kept in host memory (state_offload='cpu'): never part of a device peak
     host_state_bytes: int = 0
     # refresh_schedule='staggered': a refresh step refreshes one phase, not every layer. The trace
-    # calibrates every layer at step 0 and refreshes only the phase's largest layer at step 2 (its record
-    # and basis computation traced); the phase's other records (`phase_extra_bytes`, computed from the
-    # full-depth packing of assign_refresh_phases) are added to step 2's peak.
+    # calibrates every layer at step 0 and refreshes only the phase's heaviest layer at step 2 (its record,
+    # kept input and basis computation traced); what the phase's other layers hold, computed from the
+    # full-depth packing of assign_refresh_phases at the planned tokens, is added to step 2's peak: their
+    # records (`phase_extra_bytes`) and the inputs they keep from forward to backward
+    # (`phase_extra_input_bytes`, activations).
     staggered: bool = False
     phase_extra_bytes: int = 0
+    phase_extra_input_bytes: int = 0
 
     def step_peak(self, step: int) -> StepPeak:
         return max((run[2] for run in self.steps[step]), key=lambda p: p.peak_bytes)
@@ -82,7 +85,9 @@ class MethodTrace:
             peak = self.step_peak(2)
             parts = dict(peak.parts)
             parts["other"] += self.phase_extra_bytes
-            return StepPeak(peak.peak_bytes + self.phase_extra_bytes, parts, peak.phase, peak.largest)
+            parts["activations"] += self.phase_extra_input_bytes
+            extra = self.phase_extra_bytes + self.phase_extra_input_bytes
+            return StepPeak(peak.peak_bytes + extra, parts, peak.phase, peak.largest)
         return max((self.step_peak(0), self.step_peak(2)), key=lambda p: p.peak_bytes)
 
     @property
@@ -288,10 +293,14 @@ def _setup(method: str, model: nn.Module, settings: Settings):
     if config.refresh_schedule != "staggered":
         return optimizer, (lambda: after_step(model, optimizer)), True, notes
     user = preset.replace(**{"rank": settings.rank, **settings.optim_args})
-    member_layer, member, extra = _staggered_trace_phases(model, user, settings.full_layers)
+    from ..layers.schedule import StepTokens
+
+    inputs = StepTokens(settings.batch_size * settings.seq_len, settings.dtype.itemsize)
+    member_layer, member, extra, extra_inputs = _staggered_trace_phases(model, user, settings.full_layers, inputs)
     notes.append(
-        f"staggered: a refresh step holds one phase's records ({(member + extra) / 2**20:.1f} MiB at most, "
-        f"update_proj_gap={user.update_proj_gap}); its largest layer's refresh is traced, the other records added"
+        f"staggered: a refresh step holds one phase's records and kept inputs "
+        f"({(member + extra + extra_inputs) / 2**20:.1f} MiB at most, update_proj_gap={user.update_proj_gap}); "
+        "its heaviest layer's refresh is traced, the other layers' added"
     )
     calls = [0]
 
@@ -302,6 +311,7 @@ def _setup(method: str, model: nn.Module, settings: Settings):
             _restage(model, member_layer)
 
     after.phase_extra_bytes = extra  # type: ignore[attr-defined]
+    after.phase_extra_input_bytes = extra_inputs  # type: ignore[attr-defined]
     return optimizer, after, True, notes
 
 
@@ -354,12 +364,16 @@ def _galore_layers(model: nn.Module) -> list[tuple[int, Any]]:
     return out
 
 
-def _staggered_trace_phases(model: nn.Module, user_config, full_layers: int | None) -> tuple[Any, int, int]:
-    """Set every layer's phase to 0 (all calibrate at step 0) and pick the traced member: the largest
-    record of decoder layer 0. Returns (that record's bytes, the rest of the heaviest phase's records) of
-    the full-depth packing under the user's update_proj_gap and budget (identical decoder layers), after
-    the member itself."""
+def _staggered_trace_phases(
+    model: nn.Module, user_config, full_layers: int | None, inputs: Any
+) -> tuple[Any, int, int, int]:
+    """Set every layer's phase to 0 (all calibrate at step 0; the phases set stand: the packing at the first
+    forward is the run's, not the trace's) and pick the traced member: the layer of decoder layer 0 that
+    holds the most on its refresh step. Returns (the member, what it holds, the records and the kept inputs
+    the rest of the heaviest phase holds) of the full-depth packing under the user's update_proj_gap and
+    budget at the planned tokens `inputs` (identical decoder layers), after the member itself."""
     from ..layers import pack_refresh_phases, refresh_phase_capacity
+    from ..layers.schedule import refresh_hold_nbytes
 
     layers = _galore_layers(model)
     for _, layer in layers:
@@ -369,18 +383,23 @@ def _staggered_trace_phases(model: nn.Module, user_config, full_layers: int | No
     outside = [layer for i, layer in layers if i < 0]
     first = [layer for i, layer in layers if i == 0]
     full = outside + first * depth
-    costs = [layer.refresh_record_nbytes() for layer in full]
+    costs = [refresh_hold_nbytes(layer, inputs) for layer in full]
     if not costs or not first:
-        return None, 0, 0
+        return None, 0, 0, 0
     capacity = refresh_phase_capacity(user_config, full, costs)
     phase_of, _ = pack_refresh_phases(costs, capacity, user_config.update_proj_gap)
     loads: dict[int, int] = {}
-    for cost, phase in zip(costs, phase_of):
+    records: dict[int, int] = {}
+    for layer, cost, phase in zip(full, costs, phase_of):
         loads[phase] = loads.get(phase, 0) + cost
-    heaviest = max(loads.values())
-    member_layer = max(first, key=lambda layer: layer.refresh_record_nbytes())
-    member = member_layer.refresh_record_nbytes()
-    return member_layer, member, max(heaviest - member, 0)
+        records[phase] = records.get(phase, 0) + layer.refresh_record_nbytes()
+    heaviest = max(loads, key=lambda phase: (loads[phase], -phase))
+    member_layer = max(first, key=lambda layer: refresh_hold_nbytes(layer, inputs))
+    member = refresh_hold_nbytes(member_layer, inputs)
+    member_record = member_layer.refresh_record_nbytes()
+    extra_records = max(records[heaviest] - member_record, 0)
+    extra_inputs = max(loads[heaviest] - records[heaviest] - (member - member_record), 0)
+    return member_layer, member, extra_records, extra_inputs
 
 
 def _restage(model: nn.Module, member) -> None:
@@ -616,6 +635,7 @@ def trace_method(config, method: str, settings: Settings, *, fake: bool = True) 
     return MethodTrace(
         method, traced, steps, notes, trainable_grad, layer_params, layer_grads, tracker.host_peak,
         staggered=extra is not None, phase_extra_bytes=extra or 0,
+        phase_extra_input_bytes=getattr(after, "phase_extra_input_bytes", 0),
     )  # fmt: skip
 
 
@@ -695,6 +715,7 @@ def scaled_trace(config, method: str, settings: Settings, *, base_layers: int = 
         b.largest_layer_param_bytes, b.largest_layer_grad_bytes,
         _affine(a_trace.host_state_bytes, b.host_state_bytes, extra),
         staggered=b.staggered, phase_extra_bytes=b.phase_extra_bytes,
+        phase_extra_input_bytes=b.phase_extra_input_bytes,
     )  # fmt: skip
 
 

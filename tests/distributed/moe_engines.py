@@ -62,7 +62,10 @@ def build():
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config)
     # paper: aligned + exact SVD; aligned: aligned + the default sketch; default: staggered + sketch.
-    schedule = {"paper": PAPER_REFRESH, "aligned": {"refresh_schedule": "aligned"}, "default": {}}[
+    # default: the staggered phases at one rank's tokens of the 2-rank runs in every run (measured, the one-process
+    # oracle's forward of the whole batch would pack other phases).
+    default = {"refresh_tokens": GLOBAL_BATCH * SEQ // 2}
+    schedule = {"paper": PAPER_REFRESH, "aligned": {"refresh_schedule": "aligned"}, "default": default}[
         os.environ["SCHEDULE"]
     ]
     # scale 0.25: the comparisons' tolerances are counted at its step size (see sharded_galore.py)

@@ -61,6 +61,9 @@ def build_model(preset: str, proj_type: str) -> nn.Module:
         moment_handling=os.environ.get("MOMENT_HANDLING", "keep"),
         refresh_schedule=os.environ.get("REFRESH_SCHEDULE", "aligned"),
         refresh_budget_mb=float(os.environ["REFRESH_BUDGET_MB"]) if "REFRESH_BUDGET_MB" in os.environ else None,
+        # staggered: the phases at one rank's rows of the 2-rank runs' forwards in every run (measured, the
+        # one-process oracle's forwards of twice the rows would pack other phases)
+        refresh_tokens=GLOBAL_BATCH // ACCUMULATION // 2 if os.environ.get("REFRESH_SCHEDULE") == "staggered" else None,
         state_offload=os.environ.get("STATE_OFFLOAD", "none"),
         residual=os.environ.get("RESIDUAL") == "1",
     )

@@ -39,6 +39,11 @@ SAVE_AT = int(os.environ.get("SAVE_AT", 10))
 EXTRA_OPTIM_ARGS = os.environ.get("EXTRA_OPTIM_ARGS", "")  # appended to optim_args, e.g. ",state_bits=32"
 GAP = 8  # refreshes after steps 0 (calibration), 8, 16
 GLOBAL_BATCH, ACCUMULATION = 8, 2
+if "refresh_schedule=aligned" not in EXTRA_OPTIM_ARGS:
+    # The staggered phases at one rank's tokens of the 2-rank runs (2 x 16 a forward), in every run: measured,
+    # the one-process oracle (4 x 16 a forward) would pack other phases and refresh on other steps. The budget
+    # packs the 14 layers' sketches and kept inputs into 2 phases (refreshes after steps 0-1, 8-9, 16-17).
+    EXTRA_OPTIM_ARGS += ",refresh_tokens=32,refresh_budget_mb=0.1"
 REPO = Path(__file__).resolve().parents[2]
 
 if ENGINE.startswith("zero"):
