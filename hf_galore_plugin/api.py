@@ -96,14 +96,17 @@ def prepare_model(model: nn.Module, config: GaLoreConfig) -> nn.Module:
 
 
 def _start_within_budget(layers: list[tuple[str, GaLoreLinear]]) -> None:
-    """rank_allocation='auto' with a rank_budget: every adaptive layer starts at the one rank whose values fit the
-    budget (within its bounds), so the factors hold no more than the budget before the allocation either."""
+    """rank_allocation='auto' with a rank_budget: the adaptive layers' uniform ranks (``rank``; ``expert_rank`` for
+    expert stacks) scaled by one factor, the largest whose values fit the budget (each rank rounded down, within
+    its bounds), so the factors hold no more than the budget before the allocation either. Without expert stacks
+    that is the one rank whose values fit."""
     adaptive = [(layer, layer._adaptive) for _, layer in layers if layer._adaptive is not None]
     if not adaptive or adaptive[0][0].config.rank_budget is None:
         return
-    start = rank_budget(layers) // sum(state.cost for _, state in adaptive)
+    budget = rank_budget(layers)
+    uniform = sum(state.cost * state.start for _, state in adaptive)
     for layer, state in adaptive:
-        state.start = min(max(start, state.low), state.high)
+        state.start = min(max(budget * state.start // uniform, state.low), state.high)
         if state.start != layer_rank.current_rank(layer):
             layer_rank.resize(layer, state.start)
 
@@ -496,7 +499,7 @@ def after_step(
         recording = recording or bool(layer._refresh_due_cache)
     for _, layer in layers:
         # One value for the whole model: a compiled forward guards on it (two graphs, whatever the phases).
-        layer._compiled_record = recording
+        layer.compiled_record = recording
     driver.schedule()
     return {
         "refreshed": refreshed,
@@ -622,7 +625,7 @@ def rank_report(model_or_layers: Any) -> list[dict[str, Any]]:
             {
                 "layer": name,
                 "index": index,
-                "shape": [layer.out_features, layer.in_features],
+                "shape": [*layer.stack_shape, layer.out_features, layer.in_features],  # an expert stack: E first
                 "start_rank": state.start,
                 "rank": rank,
                 "current_rank": layer_rank.current_rank(layer),

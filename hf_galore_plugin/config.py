@@ -85,23 +85,31 @@ class GaLoreConfig:
         "of its calibration gradient, so that the layers' subspaces capture the most gradient energy within "
         "rank_budget (default: the factor values of `rank` in every layer, so memory is what the uniform rank "
         "plans); layers start at `rank` (with a rank_budget: at the one rank whose values fit it) and take their "
-        "own at their next refresh after every layer has calibrated. One process only (the factors change shape); expert stacks keep expert_rank. A path to a "
-        "'.json' file: the ranks that file holds, fixed from the start (the galore_ranks.json an 'auto' run writes "
-        "(save_rank_report), or {layer name: rank}); every engine runs them.",
+        "own at their next refresh after every layer has calibrated. One process only (the factors change shape). "
+        "With experts=True each expert stack takes part too: one rank shared by its experts, chosen from the "
+        "experts' spectra together (the share of the stack's gradient energy the experts' top-r subspaces "
+        "capture), costing num_experts x (its kept side) values per unit of rank; it starts at expert_rank. A "
+        "path to a '.json' file: the ranks that file holds, fixed from the start (the galore_ranks.json an 'auto' "
+        "run writes (save_rank_report), or {layer name: rank}; an expert stack the file leaves out stays at "
+        "expert_rank); every engine runs them.",
         default="uniform",
     )
     rank_budget: Optional[Union[int, str]] = _help(
-        "rank_allocation='auto' only: the factor values all targeted layers may hold together, an int, or a "
-        "size with a unit ('512MiB', '2GB': bytes of factors in the model's dtype). None (default): the values "
-        "of `rank` in every layer.",
+        "rank_allocation='auto' only: the factor values all targeted layers (expert stacks included) may hold "
+        "together, an int, or a size with a unit ('512MiB', '2GB': bytes of factors in the model's dtype). None "
+        "(default): the values of `rank` in every linear layer and of expert_rank in every expert stack.",
         default=None,
     )
     rank_min: Optional[int] = _help(
-        "rank_allocation='auto' only: the smallest rank a layer gets (None: rank // 4, at least 1).", default=None
+        "rank_allocation='auto' only: the smallest rank a layer or expert stack gets (None: its starting rank // 4, "
+        "at least 1: rank // 4 for a linear layer, expert_rank // 4 for a stack).",
+        default=None,
     )
     rank_max: Optional[int] = _help(
-        "rank_allocation='auto' only: the largest rank a layer gets (None: 2 * rank; at most the layer's projected "
-        "side minus one). The calibration sketch of each layer is this wide.",
+        "rank_allocation='auto' only: the largest rank a layer or expert stack gets (None: 2 * its starting rank: "
+        "2 * rank, or 2 * expert_rank for a stack; at most the layer's (an expert's) projected side minus one). "
+        "An explicit rank_min or rank_max bounds every layer and stack alike. The calibration sketch of each "
+        "layer (each expert) is this wide.",
         default=None,
     )
     update_proj_gap: int = _help(
@@ -577,13 +585,25 @@ class GaLoreConfig:
             raise bad("rank_min", "use a positive rank")
         if high < low:
             raise bad("rank_max", f"use a rank at least rank_min ({low})")
+        if self.experts:
+            low, high = self.rank_bounds(self.expert_rank)
+            if high < low:
+                raise bad("rank_max" if self.rank_max is not None else "rank_min",
+                          f"the expert stacks' bounds [{low}, {high}] (from expert_rank={self.expert_rank}) are "
+                          "empty: set rank_max to at least rank_min")  # fmt: skip
 
     # ------------------------------------------------------------------ derived values
     @property
     def effective_rank_bounds(self) -> tuple[int, int]:
-        """rank_allocation='auto': the (min, max) rank of a layer before its own side caps it."""
-        low = self.rank_min if self.rank_min is not None else max(1, self.rank // 4)
-        high = self.rank_max if self.rank_max is not None else 2 * self.rank
+        """rank_allocation='auto': the (min, max) rank of a linear layer before its own side caps it."""
+        return self.rank_bounds(self.rank)
+
+    def rank_bounds(self, start: int) -> tuple[int, int]:
+        """rank_allocation='auto': the (min, max) rank of a layer that starts at rank `start` (a linear layer:
+        ``rank``; an expert stack: ``expert_rank``) before its own side caps it: rank_min and rank_max where set,
+        else start // 4 (at least 1) and 2 * start."""
+        low = self.rank_min if self.rank_min is not None else max(1, start // 4)
+        high = self.rank_max if self.rank_max is not None else 2 * start
         return low, high
 
     @property

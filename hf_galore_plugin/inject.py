@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any, Callable, Optional, Protocol, TypeVar
 from dataclasses import dataclass, field
 
@@ -518,10 +519,10 @@ def _mark_initialized(original: nn.Module, replacement: nn.Module) -> None:
         object.__setattr__(replacement, "_is_hf_initialized", True)
 
 
-def fixed_ranks(config: GaLoreConfig, names: list[str]) -> Optional[dict[str, int]]:
+def fixed_ranks(config: GaLoreConfig, names: list[str], stacks: Sequence[str] = ()) -> Optional[dict[str, int]]:
     """The per-layer ranks of ``config.rank_allocation`` when it names a file (None otherwise): a list of rows
     with 'layer' and 'rank' (``galore_ranks.json`` of an 'auto' run) or {layer name: rank}, holding exactly the
-    layers `names` (the targets)."""
+    layers `names` (the targets) and any of the expert stacks `stacks` (one left out stays at ``expert_rank``)."""
     path = config.rank_allocation
     if path in ("uniform", "auto"):
         return None
@@ -542,7 +543,7 @@ def fixed_ranks(config: GaLoreConfig, names: list[str]) -> Optional[dict[str, in
             "'layer' and 'rank')"
         )
     missing = [name for name in names if name not in data]
-    extra = [name for name in data if name not in names]
+    extra = [name for name in data if name not in names and name not in stacks]
     if missing or extra:
         raise ValueError(
             f"{where} does not hold the ranks of this model's GaLore layers: "
@@ -551,7 +552,7 @@ def fixed_ranks(config: GaLoreConfig, names: list[str]) -> Optional[dict[str, in
             + (f"not targeted here {extra[:6]}{' ...' if len(extra) > 6 else ''}" if extra else "")
             + ". Use the file written for this model and these target_modules / exclude_modules"
         )
-    return {name: data[name] for name in names}
+    return {name: data[name] for name in [*names, *stacks] if name in data}
 
 
 def _galore_linear(
@@ -562,8 +563,10 @@ def _galore_linear(
     return layer
 
 
-def _galore_experts(experts: nn.Module, config: GaLoreConfig, layer_index: int) -> GaLoreExperts:
-    replacement = GaLoreExperts(experts, config, layer_index=layer_index)
+def _galore_experts(
+    experts: nn.Module, config: GaLoreConfig, layer_index: int, ranks: Optional[dict[str, int]] = None
+) -> GaLoreExperts:
+    replacement = GaLoreExperts(experts, config, layer_index=layer_index, ranks=ranks)
     for projection in EXPERT_PROJECTIONS:
         _mark_initialized(experts, getattr(replacement, projection))
     return replacement
@@ -583,7 +586,8 @@ def replace_targets(model: nn.Module, config: GaLoreConfig, *, build: ModuleBuil
     report alike."""
     selected, report = select_targets(model, config)
     experts = select_expert_targets(model, config, report)
-    ranks = fixed_ranks(config, [name for name, _ in selected]) or {}
+    stacks = [f"{name}.{projection}" for name, _ in experts for projection in EXPERT_PROJECTIONS]
+    ranks = fixed_ranks(config, [name for name, _ in selected], stacks) or {}
     layers: list[GaLoreLinear] = []
     for index, (name, module) in enumerate(selected):
         # One at a time: a quantized W0 replaces the original weight before the next layer is built.
@@ -594,7 +598,10 @@ def replace_targets(model: nn.Module, config: GaLoreConfig, *, build: ModuleBuil
     routed = _experts_per_token(model)
     for name, experts_module in experts:
         # Seeds continue the linear layers' indices: two stacks (gate_up_proj, down_proj) per module.
-        replacement = build(experts_module, functools.partial(_galore_experts, experts_module, config, len(layers)))
+        stack_ranks = {p: ranks[f"{name}.{p}"] for p in EXPERT_PROJECTIONS if f"{name}.{p}" in ranks}
+        replacement = build(
+            experts_module, functools.partial(_galore_experts, experts_module, config, len(layers), stack_ranks)
+        )
         for projection in EXPERT_PROJECTIONS:
             # what a recording stack keeps: its rows, top-k per token (the staggered packing counts them)
             getattr(replacement, projection).rows_per_token = routed

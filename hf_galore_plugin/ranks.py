@@ -15,6 +15,12 @@ largest gain per value is optimal when every layer has the same cost (an exchang
 rank step of the optimum otherwise (the greedy fractional-knapsack bound); `tests/test_rank_allocation.py`
 checks both against exhaustive search.
 
+An expert stack (``experts=True``) is one "layer" here with one rank for its E experts: its energies are the
+experts' squared singular values summed index by index and its total the stack's whole gradient energy, so its
+share at rank r is the energy its experts' top-r subspaces capture together (still concave: a sum of sorted
+sequences is sorted), and its cost is E x (an expert's kept side) values per unit of rank
+(:mod:`hf_galore_plugin.layers.rank`).
+
 AdaRankGrad (arXiv 2410.17881) and WeLore (arXiv 2407.11239) choose per-layer ranks from the same measure,
 the share of the gradient's energy a rank captures.
 """

@@ -91,8 +91,8 @@ LAYERS_MODULES: dict[str, set[str]] = {
     "weights": {"storage", "config", "engines", "projection"},
     "base": {"weights", "counters", "function", "schedule", "rank", "refresh", "config"},
     "linear": {"base", "weights", "counters", "storage", "function", "rank", "config", "engines", "projection"},
-    "expert_refresh": {"refresh", "engines", "projection"},
-    "experts": {"base", "linear", "expert_refresh", "refresh", "storage", "function", "config", "engines"},
+    "expert_refresh": {"refresh", "rank", "engines", "projection"},
+    "experts": {"base", "linear", "expert_refresh", "refresh", "rank", "storage", "function", "config", "engines"},
     "": {"storage", "function", "schedule", "refresh", "linear"},
 }
 # The modules of the `integrations` package, each with the modules of the package it may import (by their

@@ -11,6 +11,9 @@ test_integration_features.py runs inductor itself.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import pytest
 import torch
 
@@ -112,7 +115,7 @@ def test_a_copied_model_records_into_its_own_layers():
     model = hgp.prepare_model(build_tiny_llama(seed=0), config)
     twin = copy.deepcopy(model)
     layer, twin_layer = next(iter_galore_layers(model))[1], next(iter_galore_layers(twin))[1]
-    assert twin_layer._recorder_id != layer._recorder_id
+    assert twin_layer.recorder_id != layer.recorder_id
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.compile(twin, backend="eager")(input_ids=ids, labels=ids).loss.backward()
     assert twin_layer._pending_grad is not None and layer._pending_grad is None
@@ -176,3 +179,113 @@ def test_compiled_quantized_w0_is_read_again_in_the_backward_not_saved_from_the_
     code_sizes = {t.numel() for t in saved if t.dtype in (torch.int8, torch.uint8)}
     expected = {m * n if weight_storage == "int8" else m * n // 2 for m, n in shapes}
     assert expected <= code_sizes, (expected, code_sizes)  # every W0 is read again from its codes
+
+
+# ---------------------------------------------------------------------- guards per layer
+# Dynamo checks every guard of a compiled model before each call, so the Python values a layer's compiled forward
+# reads are paid at every step (docs/benchmarks/step-time.md, "compiled from the first step"). The guard tree is
+# read from its text form (torch 2.13's GuardManagerWrapper), each guard counted for the GaLore layer whose module
+# path its manager's source holds.
+_MANAGERS = {"GuardManager", "DictGuardManager", "KeyValueManager", "KeyManager", "ValueManager", "RootGuardManager"}
+_TENSOR_GUARDS = {"TENSOR_MATCH", "DIMENSION_DYNAMIC_MARKING_GUARD", "NO_TENSOR_ALIASING"}
+
+
+def _guards_per_layer(model) -> list[dict[str, Counter[str]]]:
+    """Per compiled graph of `model`'s forward: GaLore layer name -> its guards by kind."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    paths = {"".join(f"._modules['{part}']" for part in name.split(".")): name for name, _ in iter_galore_layers(model)}
+    graphs = []
+    for entry in _debug_get_cache_entry_list(type(model).forward.__code__):
+        counts: dict[str, Counter[str]] = {name: Counter() for name in paths.values()}
+        stack: list[tuple[int, str | None]] = []  # (depth, layer) of the managers above the current line
+        for line in str(entry.guard_manager).splitlines():
+            match = re.match(r"^((?:\| )*)\+- (\w+)", line)
+            if not match:
+                continue
+            depth, kind = len(match.group(1)) // 2, match.group(2)
+            while stack and stack[-1][0] >= depth:
+                stack.pop()
+            owner = stack[-1][1] if stack else None
+            if kind in _MANAGERS:
+                source = line.split("source=", 1)[-1].split(", accessed_by=", 1)[0]
+                owner = next((name for path, name in paths.items() if path in source), owner)
+                stack.append((depth, owner))
+            elif owner is not None:
+                counts[owner][kind] += 1
+        graphs.append(counts)
+    return graphs
+
+
+@pytest.mark.parametrize(
+    "preset, tensors",
+    [("galore_adamw", 4), ("qgalore_adamw_8bit", 6)],  # factor, W0 (int8: codes, scales), basis (int4: 2), alpha
+)
+def test_compiled_forward_guards_few_python_values_per_layer(preset, tensors):
+    """Each GaLore layer's compiled forward guards its tensors and 7 Python values on an ordinary step (the
+    module's type, that `forward` is not shadowed, its parameter and buffer dicts, the bias, its trace-plan key,
+    the record flag), 8 on a record step (its recorder id). Measured when the forward read its storage objects'
+    fields and methods: 17-20 and 18-21 (galore_adamw), 48-51 and 49-52 (qgalore_adamw_8bit)."""
+    torch._dynamo.reset()
+    model = hgp.prepare_model(
+        build_tiny_llama(seed=0, num_hidden_layers=1),
+        hgp.GaLoreConfig.preset(preset, rank=8, update_proj_gap=10, refresh_schedule="aligned"),
+    )
+    optimizer = hgp.create_optimizer(model, lr=1e-3)
+    forward = torch.compile(model, backend="eager")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):  # a record step (calibration), then ordinary ones
+        forward(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        hgp.after_step(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    graphs = _guards_per_layer(model)
+    assert len(graphs) == 2  # ordinary steps and record steps
+    most = []
+    for counts in graphs:
+        assert len(counts) == 7
+        for name, kinds in counts.items():
+            assert kinds["TENSOR_MATCH"] == tensors, (name, kinds)
+        python = {
+            name: sum(n for kind, n in kinds.items() if kind not in _TENSOR_GUARDS) for name, kinds in counts.items()
+        }
+        most.append(max(python.values()))
+        assert most[-1] <= 8, (python, counts)
+    assert min(most) <= 7, most  # the ordinary step's graph reads no recorder id
+
+
+@pytest.mark.parametrize("preset", ["galore_adamw", "qgalore_adamw_8bit"])
+def test_compiled_forward_follows_a_layer_whose_storage_changes(preset):
+    """What the compiled forward takes from the layer's trace plan instead of guarding the storage objects (how a
+    basis and W0 are stored: a quantized basis's shape and block layout) still reaches the graph: a new rank (new
+    factor and basis shapes, a new int4 layout) gives the layer a new plan key, a guard fails and the forward
+    is traced again, matching the eager layer; new values of the same tensors (a refresh, weight decay of W0)
+    are graph inputs."""
+    from torch import nn
+
+    from hf_galore_plugin.layers.linear import GaLoreLinear
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    config = hgp.GaLoreConfig.preset(preset, rank=8)
+    layer = GaLoreLinear(nn.Linear(64, 48, bias=True), config)  # m < n: a left basis P (48 x 8)
+    compiled = torch.compile(layer, backend="eager")
+    x = torch.randn(2, 5, 64)
+
+    def set_rank(rank: int) -> None:
+        layer.galore_factor = nn.Parameter(torch.randn(rank, 64))
+        layer.set_basis("left", torch.linalg.qr(torch.randn(48, rank))[0])
+
+    set_rank(8)
+    key = layer._trace_key
+    torch.testing.assert_close(compiled(x), layer(x))
+    layer.scale_base(0.5)  # alpha: a tensor input, no recompile
+    layer.set_basis("left", torch.linalg.qr(torch.randn(48, 8))[0])  # new values, same layout and key
+    assert layer._trace_key == key
+    torch.testing.assert_close(compiled(x), layer(x))
+    set_rank(4)
+    if preset == "qgalore_adamw_8bit":
+        assert layer._trace_key != key  # the int4 basis's numel and shape are in the plan
+    torch.testing.assert_close(compiled(x), layer(x))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # traced again for the new rank

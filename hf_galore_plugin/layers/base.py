@@ -140,8 +140,8 @@ class GaLoreLayerBase(GaLoreWeights):
         # True while any layer of the model may record this step. The step driver (api.after_step) sets it
         # alike on every layer of a model; a layer that finds itself due sets its own. A layer stepped
         # without the driver keeps it True (compiled, it pays the record ops' copies on every step).
-        self._compiled_record = True
-        self._recorder_id = register_recorder(self)
+        self.compiled_record = True
+        self.recorder_id = register_recorder(self)
         StepClock.generation += 1
         self.register_state_dict_pre_hook(_write_lazy_buffers)
 
@@ -294,7 +294,7 @@ class GaLoreLayerBase(GaLoreWeights):
         # where a layer of the model may change between due and not due (api.after_step).
         due = self.counts.due = _schedule.refresh_due(self.counters(), self.schedule)
         if due:
-            self._compiled_record = True  # only the step driver clears it, for all layers of a model at once
+            self.compiled_record = True  # only the step driver clears it, for all layers of a model at once
         return due
 
     _update_refresh_due = update_refresh_due  # also under the name the step driver and a resume call
@@ -454,7 +454,7 @@ class GaLoreLayerBase(GaLoreWeights):
         # A copy (copy.deepcopy, pickle) is a layer of its own: the compiled record ops must find it, not the
         # layer it was copied from, under its id.
         super().__setstate__(state)
-        self._recorder_id = register_recorder(self)
+        self.recorder_id = register_recorder(self)
 
 
 if TYPE_CHECKING:  # mypy checks that the layer is what the refresh functions it binds expect

@@ -18,8 +18,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..engines.collectives import all_reduce_mean
-from ..engines.contract import change_basis
+from ..engines.contract import change_basis, factor_rescaled
 from ..projection import BasisError, basis_from_sketch, subspace_similarity, transport_matrix
+from . import rank as _rank
 from .refresh import RefreshTarget, basis_from_gradient, run_refresh, update_lazy_gap
 
 __all__ = ["ExpertRefreshTarget", "refresh"]
@@ -65,19 +66,26 @@ def _refresh_experts(stack: ExpertRefreshTarget, optimizer: Optional[torch.optim
     fake = is_fake(tokens)
     # Under fake tensors (the memory planner) every expert counts as routed to (even routing).
     hit = [True] * stack.num_experts if fake else (all_reduce_mean(tokens) > 0).tolist()
-    sides = stack.basis_sides()
+    # rank_allocation='auto': the calibration measures the experts' spectra (rank.measure_spectrum), and a refresh
+    # after the allocation gives every expert the stack's new rank (rank.rank_to_adopt).
+    if isinstance(record, dict):
+        record = {side: all_reduce_mean(record[side]) for side, _ in stack.basis_sides()}
+    else:
+        record = all_reduce_mean(record)
+    _rank.measure_spectrum(stack, record)
+    target = _rank.rank_to_adopt(stack)
+    sides = [(side, target or rank) for side, rank in stack.basis_sides()]
     old = {side: _basis_value(stack, side).clone() for side, _ in sides}
-    new = {side: basis.clone() for side, basis in old.items()}
+    new = {side: _kept_bases(old[side], rank, fake) for side, rank in sides}
     try:
         if isinstance(record, dict):
-            sketches = {side: all_reduce_mean(record[side]) for side, _ in sides}
             for expert in (e for e in range(stack.num_experts) if hit[e]):
                 for side, rank in sides:
-                    sketch = sketches[side][expert]
+                    sketch = record[side][expert]
                     basis = basis_from_sketch(sketch, rank=rank)
                     new[side][expert] = basis if fake else _complete(basis, _numerical_rank(sketch), old[side][expert])
         else:
-            grad = all_reduce_mean(record)
+            grad = record
             for expert in (e for e in range(stack.num_experts) if hit[e]):
                 determined = None if fake else _numerical_rank(grad[expert])
                 for side, rank in sides:
@@ -91,11 +99,17 @@ def _refresh_experts(stack: ExpertRefreshTarget, optimizer: Optional[torch.optim
     first = not stack.calibrated
     had_basis = [not first] * stack.num_experts if fake else (stack.galore_expert_refreshes > 0).tolist()
     stack.fold_factor_into_base(optimizer)
+    if target is not None:
+        # Bases of another rank give the factor their shape; its optimizer state restarts (as a linear layer's).
+        old_scale = stack.scale
+        _rank.resize(stack, target)
+        factor_rescaled(optimizer, stack.galore_factor, stack.scale / old_scale)
+        first = True  # no similarity between subspaces of different ranks
     for side, basis in new.items():
         stack.set_basis(side, basis)
     stored = {side: _basis_value(stack, side) for side in new}
     refreshed = [e for e in range(stack.num_experts) if hit[e]]
-    compared = [e for e in refreshed if had_basis[e]]
+    compared = [] if first else [e for e in refreshed if had_basis[e]]
     similarity = float("nan")
     if compared:
         similarity = sum(subspace_similarity(old[side][e], stored[side][e]) for side in stored for e in compared) / (
@@ -153,6 +167,21 @@ def _change_basis(
         policy=policy,
         experts=experts,
     )
+
+
+def _kept_bases(old: torch.Tensor, rank: int, fake: bool) -> torch.Tensor:
+    """The bases (E x d x `rank`) of the experts that keep theirs at a refresh: their own where the rank stays; at
+    a change of rank (rank_allocation='auto') their first columns, completed as :func:`_complete` does."""
+    if old.shape[-1] == rank:
+        return old.clone()
+    if fake:
+        return old.new_zeros(*old.shape[:-1], rank)
+    kept = min(rank, old.shape[-1])
+    bases = []
+    for previous in old.unbind(0):
+        padded = torch.cat([previous[:, :kept], previous.new_zeros(previous.shape[0], rank - kept)], 1)
+        bases.append(_complete(padded, kept, previous))
+    return torch.stack(bases)
 
 
 def _numerical_rank(matrix: torch.Tensor) -> int:

@@ -40,6 +40,7 @@ from ..config import GaLoreConfig
 from ..engines.collectives import full_tensor, local_rows, local_shard, same_layout
 from ..engines.contract import param_changed as _param_changed
 from . import expert_refresh as _expert_refresh
+from . import rank as _rank_mod
 from . import refresh as _refresh_mod
 from .base import GaLoreLayerBase
 from .function import galore_linear
@@ -62,21 +63,29 @@ class GaLoreExpertStack(GaLoreLinear):
 
     A :class:`GaLoreLinear` to the rest of the package (``isinstance`` finds every GaLore layer), built by the
     layers' shared base: ``GaLoreLinear.__init__`` takes an ``nn.Linear`` and adds what a stack does not have
-    (the residual mode, an adaptive rank), so the stack calls :class:`~.base.GaLoreLayerBase`'s ``__init__``,
-    which both constructors share, with its weight and ``expert_rank``.
+    (the residual mode), so the stack calls :class:`~.base.GaLoreLayerBase`'s ``__init__``, which both
+    constructors share, with its weight and ``expert_rank``, and sets up its own adaptive rank
+    (``rank_allocation='auto'``: one rank for all its experts, :mod:`.rank`).
     """
 
     galore_expert_refreshes: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, config: GaLoreConfig, *, layer_index: int = 0) -> None:
+    def __init__(
+        self, weight: torch.Tensor, config: GaLoreConfig, *, layer_index: int = 0, rank: Optional[int] = None
+    ) -> None:
+        """`rank`: the stack's rank where it is not ``config.expert_rank`` (a file of per-layer ranks:
+        ``GaLoreConfig.rank_allocation``)."""
         if weight.ndim != 3:
             raise TypeError(
                 f"GaLoreExpertStack wraps a 3-D expert parameter (experts x out x in), got shape {tuple(weight.shape)}"
             )
-        GaLoreLayerBase.__init__(self, weight, config, rank=config.expert_rank, layer_index=layer_index, bias=None)
+        rank = config.expert_rank if rank is None else rank
+        GaLoreLayerBase.__init__(self, weight, config, rank=rank, layer_index=layer_index, bias=None)
         self.num_experts = int(weight.shape[0])
         device = weight.device
         self.register_buffer("galore_expert_refreshes", torch.zeros(self.num_experts, dtype=torch.int64, device=device))
+        # rank_allocation='auto': one rank for the stack, from its experts' spectra together (layers/rank.py)
+        self._adaptive = _rank_mod.init_adaptive(self, config, self.basis_sides(), device)
         # Tokens each expert received in the recorded step (with refresh_record; never in a checkpoint).
         self.refresh_tokens: Optional[torch.Tensor] = None
 
@@ -158,7 +167,7 @@ class GaLoreExpertStack(GaLoreLinear):
             # the model's first training forward: packed before any record, at this stack's rows per token
             self.pending_phase_packing.pack(x, rows_per_token=self.rows_per_token)
         record = not compiling and self.refresh_due
-        traced = compiling and self._compiled_record
+        traced = compiling and self.compiled_record
         outputs, start = [], 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -177,7 +186,7 @@ class GaLoreExpertStack(GaLoreLinear):
                     alpha,
                     self._branch_scale,
                     functools.partial(self._record_expert, expert) if record else None,
-                    traced_record=(self._recorder_id, expert) if traced else None,
+                    traced_record=(self.recorder_id, expert) if traced else None,
                 )
             )
         if not outputs:
@@ -319,14 +328,23 @@ class GaLoreExperts(nn.Module):
     expert weights) is kept for its gate function and to put back merged weights
     (:meth:`merged_module`)."""
 
-    def __init__(self, experts: nn.Module, config: GaLoreConfig, *, layer_index: int = 0) -> None:
+    def __init__(
+        self,
+        experts: nn.Module,
+        config: GaLoreConfig,
+        *,
+        layer_index: int = 0,
+        ranks: Optional[dict[str, int]] = None,
+    ) -> None:
+        """`ranks`: the rank of a projection ('gate_up_proj', 'down_proj') where it is not ``config.expert_rank``."""
         super().__init__()
         gate_up, down = experts._parameters["gate_up_proj"], experts._parameters["down_proj"]
         if gate_up is None or down is None:
             raise ValueError(f"{type(experts).__name__} holds no gate_up_proj and down_proj expert parameters")
+        ranks = ranks or {}
         self.num_experts = int(gate_up.shape[0])
-        self.gate_up_proj = GaLoreExpertStack(gate_up, config, layer_index=layer_index)
-        self.down_proj = GaLoreExpertStack(down, config, layer_index=layer_index + 1)
+        self.gate_up_proj = GaLoreExpertStack(gate_up, config, layer_index=layer_index, rank=ranks.get("gate_up_proj"))
+        self.down_proj = GaLoreExpertStack(down, config, layer_index=layer_index + 1, rank=ranks.get("down_proj"))
         # The stock module keeps its activation and gate function, not its expert weights (W0 lives in the
         # stacks now); it is not a submodule, so its tensors are not the model's.
         for name in EXPERT_PROJECTIONS:

@@ -68,7 +68,7 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
 # every record step: ``record_tap`` (forward: a copy of the branch's output h, saving x) and, in its
 # backward, ``record_gradient`` (dL/dh, which is the layer's dy, passed through as a copy) whose eager body
 # asks the layer whether it is due and records (dy, x) if so. The only guarded value is the layer's
-# ``_compiled_record`` flag, which the step driver sets alike on every layer of a model (True on the steps
+# ``compiled_record`` flag, which the step driver sets alike on every layer of a model (True on the steps
 # where any of them records): two graphs for the whole run, whatever the number of layers and phases. The
 # copies and the saved x are paid on record steps only (amortized over update_proj_gap). The ops find the
 # layer by a process-wide integer id (an int is a constant in the graph; a module is not an op argument).

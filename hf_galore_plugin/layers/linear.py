@@ -46,10 +46,10 @@ from ..engines.contract import observe_updates, update_observer
 from ..projection import resolve_sides
 from . import rank as _rank_mod
 from .base import GaLoreLayerBase
-from .weights import check_base_weight, scale_bases
+from .weights import TRACE_PLANS, TracePlan, check_base_weight, scale_bases
 from .counters import COUNTER_NAMES
 from .function import galore_linear
-from .storage import stochastic_round_to_bf16
+from .storage import read_spec, stochastic_round_to_bf16
 
 # With GaLoreLinear, the names the rest of the package and the tests import from this module.
 __all__ = [
@@ -99,6 +99,8 @@ class GaLoreLinear(GaLoreLayerBase):
     _residual_side: Optional[str] = None
     # Whether a step of the factor has been observed since the first basis (the ratio to lag exists).
     _residual_ready = False
+    # The compiled forward reads the layer's TracePlan (weights.py), not its storage objects.
+    _traced_by_plan = True
 
     def __init__(
         self, base: nn.Linear, config: GaLoreConfig, *, layer_index: int = 0, rank: Optional[int] = None
@@ -111,6 +113,7 @@ class GaLoreLinear(GaLoreLayerBase):
         super().__init__(base.weight, config, rank=rank, layer_index=layer_index, bias=base.bias)
         self._init_residual(config, self.galore_factor.device)
         self._adaptive = _rank_mod.init_adaptive(self, config, self.basis_sides(), self.galore_factor.device)
+        self._update_trace_key()  # the residual mode is known now
 
     # ------------------------------------------------------------------ residual mode (Fira)
     def _init_residual(self, config: GaLoreConfig, device: torch.device) -> None:
@@ -327,15 +330,20 @@ class GaLoreLinear(GaLoreLayerBase):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            key = self._trace_key
+            if key is not None:
+                return _traced_forward(self, x, TRACE_PLANS[key])
         device_type = x.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         p, q = self._step_bases(dtype)
         residual = self._residual_hook(dtype) if self._residual_side is not None else None
-        if torch.compiler.is_compiling():
+        if compiling:  # a layer without a trace plan (residual mode, double-quantized scales)
             # W0's multiplier as a tensor (a graph input), and the record through the record ops, decided by
             # the model-wide flag rather than by this layer's refresh_due (no guard per layer and phase).
             alpha: float | torch.Tensor = self.base_multiplier
-            record, traced = None, (self._recorder_id, -1) if self._compiled_record else None
+            record, traced = None, (self.recorder_id, -1) if self.compiled_record else None
         else:
             if self.pending_phase_packing is not None and self.training:
                 self.pending_phase_packing.pack(x)  # the model's first training forward: before any record
@@ -388,3 +396,45 @@ class GaLoreLinear(GaLoreLayerBase):
         rate = self.galore_residual_rate
         if not (rate.is_meta or is_fake(rate)):
             self._residual_ready = not math.isnan(float(rate))  # a load syncs anyway
+
+
+def _traced_forward(layer: GaLoreLinear, x: torch.Tensor, plan: TracePlan) -> torch.Tensor:
+    """The compiled forward of `layer` (as :meth:`GaLoreLinear.forward` when compiling, without the residual).
+
+    Every Python value Dynamo reads from a layer is a guard checked before each call of the compiled model, per
+    layer. So this reads from the layer only what differs between layers or steps: its tensors (through the
+    module's own dicts, no method or storage object), the bias, the record flag (and, on record steps, the
+    recorder id). What never changes for a layer (how its bases and W0 are stored, the branch's scale) comes
+    from `plan`, shared by the layers with the same storage and shape and guarded through one string per layer
+    (its ``_trace_key``). A module-level function: a method looked up on the layer is a guard too.
+    """
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    buffers = layer._buffers
+    p = None if plan.left is None else read_spec(buffers, plan.left, dtype)
+    q = None if plan.right is None else read_spec(buffers, plan.right, dtype)
+    weight_spec = plan.weight
+
+    def read_weight(dtype: torch.dtype) -> torch.Tensor:
+        assert weight_spec is not None
+        return read_spec(buffers, weight_spec, dtype)
+
+    # W0's multiplier as a tensor (a graph input), and the record through the record ops, decided by the
+    # model-wide flag rather than by this layer's refresh_due (no guard per layer and phase).
+    traced = (layer.recorder_id, -1) if layer.compiled_record else None
+    alpha = buffers["base_multiplier"]
+    assert alpha is not None
+    return galore_linear(
+        x,
+        layer.galore_factor,
+        layer.bias,
+        None if weight_spec is not None else layer.weight,  # a quantized W0 has no parameter: no guard on it
+        read_weight,
+        p,
+        q,
+        alpha,
+        plan.scale,
+        None,
+        None,
+        traced,
+    )

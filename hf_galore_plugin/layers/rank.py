@@ -9,6 +9,13 @@ and gives each layer its target; a layer takes it at its next refresh, which alr
 the factor and the basis take the new shape there (the optimizer's state of the factor restarts, as at a
 calibration), and the record of that refresh is sketched wide enough for the new rank.
 
+An expert stack (:class:`~.experts.GaLoreExpertStack`, ``experts=True``) is adaptive the same way, with one rank
+shared by its E experts: its calibration sketches each expert's record ``rank_max + oversampling`` wide, and its
+spectrum for the allocator is the experts' spectra summed value by value (entry i: the sum over experts of each
+one's i-th squared singular value), its total the stack's whole gradient energy, so that the share captured at
+rank k is the energy the experts' top-k subspaces capture together over the stack's energy; a unit of its rank
+costs E x (its kept side) factor values. Its starting rank and default bounds come from ``expert_rank``.
+
 State (buffers, so checkpoints carry it; registered on adaptive layers only): ``galore_spectrum`` (the measured
 squared singular values, NaN until measured), ``galore_spectrum_total`` (the gradient's whole energy) and
 ``galore_rank_target`` (0 until allocated). The factor's shape is the rank: a load of a state with another rank
@@ -43,16 +50,19 @@ def init_adaptive(
     layer: Any, config: GaLoreConfig, sides: list[tuple[str, int]], device: torch.device
 ) -> Optional[AdaptiveRank]:
     """The rank state of `layer` (its buffers registered) when the config asks for one and the layer has exactly
-    one computed basis (`sides`: its (side, rank) list); None: the layer's rank is fixed."""
+    one computed basis (`sides`: its (side, rank) list); None: the layer's rank is fixed. An expert stack (a
+    layer with leading dimensions, ``stack_shape``) takes its bounds from ``expert_rank``, and a unit of its rank
+    costs every expert's values."""
     if config.rank_allocation != "auto" or len(sides) != 1:
         return None
     side, start = sides[0]
     dim = layer.in_features if side == "right" else layer.out_features
     kept = layer.out_features if side == "right" else layer.in_features
-    low, high = config.effective_rank_bounds
+    experts = math.prod(layer.stack_shape)
+    low, high = config.rank_bounds(config.expert_rank) if layer.stack_shape else config.effective_rank_bounds
     high = min(high, dim - 1)
     low = min(low, high)
-    state = AdaptiveRank(side, dim, kept, start, low, high)
+    state = AdaptiveRank(side, dim, experts * kept, start, low, high)
     layer.register_buffer("galore_spectrum", torch.full((high,), math.nan, dtype=torch.float32, device=device))
     layer.register_buffer("galore_spectrum_total", torch.tensor(math.nan, dtype=torch.float32, device=device))
     layer.register_buffer("galore_rank_target", torch.tensor(0, dtype=torch.int64, device=device))
@@ -85,16 +95,20 @@ def measure_spectrum(layer: Any, record: Any) -> None:
         return
     if isinstance(record, dict):
         sketch = record[state.side].to(torch.float32)
-        k = sketch.shape[1]
+        k = sketch.shape[-1]
         values = torch.linalg.svdvals(sketch).square() / k
         total = sketch.square().sum() / k
     else:
         grad = record.to(torch.float32)
         values = torch.linalg.svdvals(grad).square()
         total = grad.square().sum()
-    spectrum = torch.zeros(state.high, dtype=torch.float32, device=values.device)
-    count = min(state.high, values.numel())
-    spectrum[:count] = values[:count]
+    # An expert stack's record has the experts in front (E x ...): its spectrum is the experts' summed value by
+    # value (each expert's sorted descending, so the sum is too), its total the whole stack's energy.
+    values = values.reshape(-1, values.shape[-1])
+    spectrum = torch.zeros(values.shape[0], state.high, dtype=torch.float32, device=values.device)
+    count = min(state.high, values.shape[-1])
+    spectrum[:, :count] = values[:, :count]
+    spectrum = spectrum.sum(0)
     layer.galore_spectrum.copy_(spectrum)
     layer.galore_spectrum_total.copy_(total)
     state.measured = True
@@ -127,7 +141,7 @@ def resize(layer: Any, rank: int) -> None:
     else:
         layer.left_rank = rank
     factor = layer.galore_factor
-    shape = (layer.left_rank or layer.out_features, layer.right_rank or layer.in_features)
+    shape = (*layer.stack_shape, layer.left_rank or layer.out_features, layer.right_rank or layer.in_features)
     # The same Parameter object with new contents (an optimizer's param groups hold it): swapped rather than
     # `.data` reassigned, because a graph still alive from the last step (a loss variable a loop keeps) holds
     # the factor's gradient accumulator, which checks gradients against the shape it was created with.
@@ -155,9 +169,12 @@ def before_load(layer: Any, state_dict: dict[str, Any], prefix: str) -> None:
     if state is None:
         return
     saved = state_dict.get(prefix + "galore_factor")
-    if saved is None or tuple(saved.shape) == tuple(layer.galore_factor.shape) or saved.dim() != 2:
+    factor = layer.galore_factor
+    if saved is None or tuple(saved.shape) == tuple(factor.shape) or saved.dim() != factor.dim():
         return
-    rank = saved.shape[1] if state.side == "right" else saved.shape[0]
+    if saved.shape[:-2] != factor.shape[:-2]:
+        return
+    rank = saved.shape[-1] if state.side == "right" else saved.shape[-2]
     if not 1 <= rank <= state.high:
         return  # not a rank this layer can take: the load reports the size mismatch
     resize(layer, rank)

@@ -17,7 +17,7 @@ and ``module.to()`` replace buffer tensors.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from ..utils import use_triton
 if TYPE_CHECKING:
     from ..quant import QuantizedTensor
 
-__all__ = ["QUANT_SCHEMES", "StoredTensor", "assign_buffer", "stochastic_round_to_bf16"]
+__all__ = ["QUANT_SCHEMES", "QuantizedSpec", "StoredTensor", "assign_buffer", "read_spec", "stochastic_round_to_bf16"]
 
 QUANT_SCHEMES = {
     # storage name -> (scheme, bits) of hf_galore_plugin.quant.quantize
@@ -51,6 +51,38 @@ def assign_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
         current.copy_(value)
     else:
         module._buffers[name] = value
+
+
+class QuantizedSpec(NamedTuple):
+    """What compiled code needs to read a quantized store (:meth:`StoredTensor.spec`): its buffer names and the
+    layout of :func:`~hf_galore_plugin.quant.ops.dequantize_stored`."""
+
+    codes: str
+    scales: str
+    zero_points: Optional[str]
+    scheme: str
+    bits: int
+    block_size: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+# How compiled code reads a store: the plain buffer's name, or a quantized store's spec.
+StoreSpec = Union[str, QuantizedSpec]
+
+
+def read_spec(buffers: dict[str, Any], spec: StoreSpec, dtype: torch.dtype) -> torch.Tensor:
+    """The stored tensor in `dtype` from the module's `buffers`, as :meth:`StoredTensor.value` reads it in traced
+    code, with every Python value it needs taken from `spec` (a constant of the compiled forward, see
+    :meth:`StoredTensor.spec`) instead of the store's own fields, each of which Dynamo would guard per layer."""
+    if isinstance(spec, str):
+        plain = buffers[spec]
+        return plain if plain.dtype == dtype else plain.to(dtype)
+    zero_points = None if spec.zero_points is None else buffers[spec.zero_points]
+    return dequantize_stored(
+        buffers[spec.codes], buffers[spec.scales], zero_points, dtype=dtype, scheme=spec.scheme, bits=spec.bits,
+        block_size=spec.block_size, numel=spec.numel,
+    ).view(spec.shape)  # fmt: skip
 
 
 class StoredTensor:
@@ -84,6 +116,8 @@ class StoredTensor:
         # Relative RMS error of the last quantization, measured against the exact value when it was stored.
         self.error: Optional[float] = None
         self._reader: Optional[_Reader] = None  # set by store() with the metadata
+        # Called after every store() (the owner keeps what its compiled forward reads, see spec()).
+        self.on_store: Optional[Callable[[], None]] = None
 
     def buffer_names(self) -> list[str]:
         """The names of the module's buffers that hold this tensor now."""
@@ -121,6 +155,22 @@ class StoredTensor:
         for part, tensor in tensors.items():
             assign_buffer(self.module, f"{self.name}_{part}", tensor)
         self._reader = None if self.meta["double_quant"] else _Reader(self.name, self.meta, "zero_points" in tensors)
+        if self.on_store is not None:
+            self.on_store()
+
+    def spec(self) -> Optional[StoreSpec]:
+        """What :func:`read_spec` needs to read this tensor as :meth:`value` does in traced code (None: it cannot,
+        double-quantized scales go through ``QuantizedTensor``). Fixed until the next :meth:`store`."""
+        if not self.quantized:
+            return self.name
+        reader = self._reader
+        if reader is None:
+            return None
+        kwargs = reader.kwargs
+        return QuantizedSpec(
+            reader.codes, reader.scales, reader.zero_points, kwargs["scheme"], kwargs["bits"], kwargs["block_size"],
+            kwargs["numel"], reader.shape,
+        )  # fmt: skip
 
     def load(self) -> QuantizedTensor:
         """The quantized tensor rebuilt from the buffers (a ``QuantizedTensor`` sharing their storage)."""

@@ -11,7 +11,7 @@ scale); the counters and the refresh plumbing are :class:`~.base.GaLoreLayerBase
 from __future__ import annotations
 
 import struct
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -20,9 +20,26 @@ from torch._subclasses.fake_tensor import is_fake
 from ..config import GaLoreConfig
 from ..engines.collectives import from_local, full_tensor, is_dtensor, local_shard, same_layout, shard_like
 from ..projection import resolve_sides
-from .storage import StoredTensor
+from .storage import StoredTensor, StoreSpec
 
-__all__ = ["GaLoreWeights", "check_base_weight", "scale_bases"]
+__all__ = ["TRACE_PLANS", "GaLoreWeights", "TracePlan", "check_base_weight", "scale_bases"]
+
+
+class TracePlan(NamedTuple):
+    """The Python values a compiled forward of a layer needs besides its tensors: how to read each basis and a
+    quantized W0 (:func:`~.storage.read_spec`; None: no basis / W0 is the parameter ``weight``) and the branch's
+    scale. Layers with the same plan share one object, found in :data:`TRACE_PLANS` by the layer's
+    ``_trace_key``: Dynamo guards that one string per layer, where reading the storage objects' fields
+    guards each of them per layer (docs/benchmarks/step-time.md, "compiled from the first step")."""
+
+    left: Optional[StoreSpec]
+    right: Optional[StoreSpec]
+    weight: Optional[StoreSpec]
+    scale: float
+
+
+# key -> plan, for every plan a layer has had (a handful per model: one per shape and storage).
+TRACE_PLANS: dict[str, TracePlan] = {}
 
 
 def check_base_weight(weight: torch.Tensor, layer: str) -> None:
@@ -143,6 +160,27 @@ class GaLoreWeights(nn.Module):
         for side, rank, _, dim in sides:
             if rank is not None and self._bases[side] is not None:
                 self.set_basis(side, torch.zeros(self.basis_shape(dim, rank), device=device, dtype=torch.float32))
+        # The compiled forward's plan follows every store (a quantized store's layout changes with its shape).
+        for store in (self._weight_store, *self._bases.values()):
+            if store is not None:
+                store.on_store = self._update_trace_key
+        self._update_trace_key()
+
+    # Kinds of layer whose compiled forward reads the trace plan (others keep _trace_key None).
+    _traced_by_plan = False
+
+    def _update_trace_key(self) -> None:
+        """Set ``_trace_key``, the key of this layer's :class:`TracePlan` in :data:`TRACE_PLANS` (None: the compiled
+        forward reads the storage objects themselves: a store without a spec, a layer in residual mode)."""
+        key = None
+        stores = (self._bases["left"], self._bases["right"], self._weight_store)
+        left, right, weight = (None if store is None else store.spec() for store in stores)
+        traceable = all(spec is not None for spec, store in zip((left, right, weight), stores) if store is not None)
+        if self._traced_by_plan and traceable and getattr(self, "_residual_side", None) is None:
+            plan = TracePlan(left, right, weight, self._branch_scale)
+            key = repr(plan)
+            TRACE_PLANS.setdefault(key, plan)
+        self._trace_key: Optional[str] = key
 
     def basis_shape(self, dim: int, rank: int) -> tuple[int, ...]:
         """The shape of a basis of a side of dimension `dim` (with W0's leading dimensions)."""
