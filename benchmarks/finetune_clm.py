@@ -49,7 +49,9 @@ where a method freezes some):
                    and frozen, as peft + bitsandbytes' QLoRA leaves them. (bitsandbytes' own 4-bit layers are not
                    used: this is the same storage format on any device.)
   galore_adamw_r<R>, galore_adamw_8bit_r<R>, qgalore_adamw_8bit_r<R>, galore_muon_r<R>,
-  galore_adamw_residual_r<R> (residual=True), galore_adamw_rank_auto_r<R> (rank_allocation='auto')
+  galore_adamw_residual_r<R> (residual=True), galore_adamw_rank_auto_r<R> (rank_allocation='auto'),
+  galore_adamw_lean_r<R>, galore_adamw_8bit_lean_r<R>, qgalore_adamw_8bit_lean_r<R> (the input embeddings
+  frozen as LoRA leaves them, and target_modules='all-linear', which projects the untied head too)
                    our presets through the plain API (prepare_model, create_optimizer, after_step after every
                    optimizer step; a layer calibrates, i.e. computes its first basis, at the step of its
                    refresh phase) at rank R = hidden/16, hidden/8, hidden/4; every GaLoreConfig field at its
@@ -112,10 +114,23 @@ PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "galore_mu
 # Variants of the plain preset, "<preset><suffix>_r<R>", each one GaLoreConfig change: Fira's residual, and
 # per-layer ranks from the calibration gradients' spectra within the factor values of uniform rank R
 # (rank_allocation='auto'; bounds at their defaults, R // 4 and 2 R).
+# "_lean" is the adapters' footprint for the presets: the input embeddings frozen (as LoRA leaves them) and the
+# output head projected too (target_modules='all-linear', which includes an untied head), so the only dense
+# training state left is the norms'.
 RESIDUAL = "_residual"
 RANK_AUTO = "_rank_auto"
-VARIANTS = {RESIDUAL: (("residual", True),), RANK_AUTO: (("rank_allocation", "auto"),)}
-VARIANT_PRESETS = ("galore_adamw",)
+LEAN = "_lean"
+VARIANTS = {
+    RESIDUAL: (("residual", True),),
+    RANK_AUTO: (("rank_allocation", "auto"),),
+    LEAN: (("target_modules", "all-linear"),),
+}
+# the presets each variant is measured on
+VARIANT_PRESETS = {
+    RESIDUAL: ("galore_adamw",),
+    RANK_AUTO: ("galore_adamw",),
+    LEAN: ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit"),
+}
 RANK_DIVISORS = (16, 8, 4)  # GaLore ranks hidden / 16, hidden / 8, hidden / 4
 BASELINES = ("adamw", "bnb_adamw8bit", "lora_r16", "qlora_nf4_r16")
 LORA_RANK = 16
@@ -192,7 +207,7 @@ SIZES = {
 
 def methods_of(size: Size) -> tuple[str, ...]:
     ranks = [size.hidden // d for d in RANK_DIVISORS]
-    presets = PRESETS + tuple(p + suffix for suffix in VARIANTS for p in VARIANT_PRESETS)
+    presets = PRESETS + tuple(p + suffix for suffix in VARIANTS for p in VARIANT_PRESETS[suffix])
     return BASELINES + tuple(f"{p}_r{r}" for p in presets for r in ranks)
 
 
@@ -201,7 +216,7 @@ def split_method(method: str) -> tuple[str, str, Optional[int]]:
     match = re.fullmatch(r"(.+)_r(\d+)", method)
     if match:
         name = match.group(1)
-        suffix = next((s for s in VARIANTS if name.endswith(s) and name.removesuffix(s) in VARIANT_PRESETS), "")
+        suffix = next((s for s in VARIANTS if name.endswith(s) and name.removesuffix(s) in VARIANT_PRESETS[s]), "")
         if name.removesuffix(suffix) in PRESETS:
             return name.removesuffix(suffix), suffix, int(match.group(2))
     return BASELINE_KIND[method], "", None
@@ -450,6 +465,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     data = cached_load(job["data"])
     kind, variant, rank = split_method(job["method"])
     model = load_base(job["base"], size, job["vocab_size"], device)
+    if variant == LEAN:
+        model.get_input_embeddings().weight.requires_grad_(False)
     from hf_galore_plugin import GaLoreConfig, galore_layers, state_of
 
     defaults = GaLoreConfig()

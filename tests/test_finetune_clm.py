@@ -27,7 +27,16 @@ pytestmark = pytest.mark.benchmark
 
 # The quick size's methods at the default gap: the four baselines and each preset (and galore_adamw with Fira's
 # residual) at ranks hidden / 16, / 8, / 4 of hidden 64.
-PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "galore_muon", "galore_adamw_residual")
+PRESETS = (
+    "galore_adamw",
+    "galore_adamw_8bit",
+    "qgalore_adamw_8bit",
+    "galore_muon",
+    "galore_adamw_residual",
+    "galore_adamw_lean",
+    "galore_adamw_8bit_lean",
+    "qgalore_adamw_8bit_lean",
+)
 METHODS = ["adamw", "bnb_adamw8bit", "lora_r16", "qlora_nf4_r16"] + [
     f"{preset}_r{rank}" for preset in PRESETS for rank in (4, 8, 16)
 ]
@@ -113,6 +122,10 @@ def test_finetune_clm_quick(tmp_path):
         "residual=True" in runs["galore_adamw_residual_r4"]["note"]
         and state["galore_adamw_residual_r4"] < state["adamw"]
     )
+    # The lean rows freeze the input embeddings and project the head: less state than the preset's.
+    assert "target_modules=all-linear" in runs["galore_adamw_8bit_lean_r4"]["note"]
+    assert state["galore_adamw_8bit_lean_r4"] < state["galore_adamw_8bit_r4"]
+    assert runs["galore_adamw_lean_r4"]["trainable_params"] < runs["galore_adamw_r4"]["trainable_params"]
     assert (
         state["lora_r16"] < state["adamw"] and runs["lora_r16"]["trainable_params"] < runs["adamw"]["trainable_params"]
     )
