@@ -363,7 +363,7 @@ def select_targets(model: nn.Module, config: GaLoreConfig) -> tuple[list[tuple[s
 # An experts module is recognised by its layout, not by its class: the layout GaLoreExperts computes (gated,
 # gate and up concatenated in gate_up_proj (E x 2I x H), down_proj (E x H x I), no bias, not transposed) is
 # read from the flags transformers' use_experts_implementation sets on every experts class
-# (expert_layout_problem). Qwen3-MoE, Mixtral and OLMoE have it in transformers 5.24.
+# (expert_layout_problem). Qwen3-MoE, Mixtral and OLMoE have it in transformers 5.25.
 _NUM_EXPERTS_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 

@@ -142,7 +142,7 @@ def test_with_a_handler_table_only_its_entries_are_added():
 
 
 @pytest.mark.parametrize(
-    "version, supported", [("5.24.0", True), ("4.57.6", True), ("4.56.2", False), ("5.25.0", False)]
+    "version, supported", [("5.25.0", True), ("4.57.6", True), ("4.56.2", False), ("5.26.0", False)]
 )
 def test_version_outside_the_supported_range_warns_once(monkeypatch, version, supported):
     monkeypatch.setattr(patching, "_installed_transformers", lambda: version)

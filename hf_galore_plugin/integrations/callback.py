@@ -1,7 +1,7 @@
 """``GaLoreCallback``: refresh schedule, learning-rate scale, logging and checkpoint state for ``Trainer``.
 
 Order of events in one optimizer step of ``Trainer._inner_training_loop`` (transformers 4.57 and
-5.24 alike)::
+5.25 alike)::
 
     on_step_begin -> forward/backward (x gradient_accumulation_steps) -> clip -> on_pre_optimizer_step
     -> optimizer.step() -> on_optimizer_step -> lr_scheduler.step() -> global_step += 1 -> on_step_end

@@ -35,9 +35,9 @@ __all__ = [
 # Held while a patch is applied and while the optimizer names are registered.
 patch_lock = threading.RLock()
 
-# The transformers versions the patches are tested on (tests/test_integration_*.py on 5.24,
+# The transformers versions the patches are tested on (tests/test_integration_*.py on 5.25,
 # scripts/test_transformers_457.sh on 4.57.6). Outside it the plugin still patches, with one warning.
-SUPPORTED_TRANSFORMERS = ">=4.57,<5.25"
+SUPPORTED_TRANSFORMERS = ">=4.57,<5.26"
 _version_checked = False
 
 
