@@ -9,6 +9,7 @@ transformers model class loading the merged checkpoint in a process without the 
 from __future__ import annotations
 
 import copy
+import json
 import functools
 import tempfile
 from pathlib import Path
@@ -433,34 +434,40 @@ ENGINE_RUNS = [
 
 
 @functools.lru_cache(maxsize=None)
-def _moe_single_process(schedule: str, moment_handling: str, proj_type: str, sparse: bool) -> dict:
+def _moe_single_process(
+    schedule: str, moment_handling: str, proj_type: str, sparse: bool, ranks_file: str = ""
+) -> dict:
     from distributed._launch import SCRIPT, run_one_process
 
     out = Path(tempfile.mkdtemp(prefix="galore_moe_single_")) / "single.pt"
-    env = _moe_env(schedule, moment_handling, proj_type, sparse)
+    env = _moe_env(schedule, moment_handling, proj_type, sparse, ranks_file)
     result = run_one_process(out, script=SCRIPT.with_name("moe_engines.py"), ENGINE="single", **env)
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out)
 
 
-def _moe_env(schedule: str, moment_handling: str, proj_type: str, sparse: bool) -> dict:
+def _moe_env(schedule: str, moment_handling: str, proj_type: str, sparse: bool, ranks_file: str = "") -> dict:
     return dict(
         PRESET="galore_adamw", SCHEDULE=schedule, MOMENT_HANDLING=moment_handling, PROJ_TYPE=proj_type,
-        SPARSE="1" if sparse else "0",
+        SPARSE="1" if sparse else "0", RANKS_FILE=ranks_file,
     )  # fmt: skip
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("engine, schedule, moment_handling, proj_type, sparse", ENGINE_RUNS)
-def test_two_ranks_with_experts_match_single_process(tmp_path, engine, schedule, moment_handling, proj_type, sparse):
-    from distributed._launch import LOSS_RTOL, SCRIPT, assert_weights_match, run_two_ranks
+def _run_moe_two_ranks(tmp_path, engine: str, env: dict) -> dict:
+    from distributed._launch import SCRIPT, run_two_ranks
 
     if engine.startswith("zero"):
         pytest.importorskip("deepspeed", reason="platform: deepspeed is the [deepspeed] extra, which dev installs")
-    env = _moe_env(schedule, moment_handling, proj_type, sparse)
     result = run_two_ranks(tmp_path / "multi.pt", script=SCRIPT.with_name("moe_engines.py"), ENGINE=engine, **env)
     assert result.returncode == 0, result.stderr[-4000:]
-    multi, one = torch.load(tmp_path / "multi.pt"), _moe_single_process(schedule, moment_handling, proj_type, sparse)
+    return torch.load(tmp_path / "multi.pt")
+
+
+def _assert_moe_runs_match(multi: dict, one: dict, *, sparse: bool) -> None:
+    """Two ranks against one process: losses and merged weights within the engine tolerances, the experts' bases
+    spanning the same subspaces, their counters and per-expert refresh counts equal."""
+    from distributed._launch import LOSS_RTOL, assert_weights_match
+
     assert multi["refreshes"] == one["refreshes"] >= 3
     torch.testing.assert_close(torch.tensor(multi["losses"]), torch.tensor(one["losses"]), rtol=LOSS_RTOL, atol=0)
     assert multi["weights"].keys() == one["weights"].keys()
@@ -487,6 +494,48 @@ def test_two_ranks_with_experts_match_single_process(tmp_path, engine, schedule,
         assert bool((counts < stacks[:, None]).any())
     else:
         assert torch.equal(counts, stacks[:, None].expand_as(counts))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine, schedule, moment_handling, proj_type, sparse", ENGINE_RUNS)
+def test_two_ranks_with_experts_match_single_process(tmp_path, engine, schedule, moment_handling, proj_type, sparse):
+    multi = _run_moe_two_ranks(tmp_path, engine, _moe_env(schedule, moment_handling, proj_type, sparse))
+    _assert_moe_runs_match(multi, _moe_single_process(schedule, moment_handling, proj_type, sparse), sparse=sparse)
+
+
+# Per-layer ranks as an 'auto' run writes them (galore_ranks.json rows), all different from the uniform ranks of
+# the runs above (rank 8, expert_rank 4): the attention projections and each expert stack of the tiny Qwen3-MoE.
+MOE_RANKS = {
+    **{f"model.layers.{i}.self_attn.{kind}": r + i for i in range(2) for kind, r in
+       {"q_proj": 3, "k_proj": 5, "v_proj": 6, "o_proj": 4}.items()},
+    "model.layers.0.mlp.experts.gate_up_proj": 2, "model.layers.0.mlp.experts.down_proj": 6,
+    "model.layers.1.mlp.experts.gate_up_proj": 7, "model.layers.1.mlp.experts.down_proj": 3,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_ranks_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("moe_ranks") / "galore_ranks.json"
+    path.write_text(json.dumps([{"layer": name, "rank": rank} for name, rank in MOE_RANKS.items()]))
+    return str(path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine, schedule", [("ddp", "default"), ("fsdp2", "default"), ("zero2", "aligned")])
+def test_expert_ranks_from_a_file_match_single_process(tmp_path, moe_ranks_file, engine, schedule):
+    """Ranks an 'auto' allocation chose for an MoE model, expert stacks included, fixed from the start under an
+    engine (rank_allocation=<galore_ranks.json>): trained as one process trains them."""
+    one = _moe_single_process(schedule, "keep", "std", False, moe_ranks_file)
+    uniform = _moe_single_process(schedule, "keep", "std", False)
+    assert one["losses"] != uniform["losses"], "the file's ranks apply"
+    for name, rank in MOE_RANKS.items():
+        if ".experts." in name:  # each stack's factor: [experts, rows, rank] under std's right bases
+            assert one["experts"][f"{name}.galore_factor"].shape[-1] == rank, name
+    multi = _run_moe_two_ranks(tmp_path, engine, _moe_env(schedule, "keep", "std", False, moe_ranks_file))
+    for name, rank in MOE_RANKS.items():
+        if ".experts." in name:
+            assert multi["experts"][f"{name}.galore_factor"].shape[-1] == rank, name
+    _assert_moe_runs_match(multi, one, sparse=False)
 
 
 def test_planner_traces_projected_experts(tmp_path):

@@ -116,11 +116,13 @@ def run_one_process(out: Path, *args: str, script: Path = SCRIPT, **env: str) ->
 
 
 @functools.lru_cache(maxsize=None)
-def single_process_run(preset: str, proj_type: str, fake_step: str = "0", basis_method: str = "svd") -> dict:
+def single_process_run(
+    preset: str, proj_type: str, fake_step: str = "0", basis_method: str = "svd", scale: str = "0.25"
+) -> dict:
     """The oracle: the same global batch in one process (cached: several engines compare against it)."""
     out = Path(tempfile.mkdtemp(prefix="galore_single_")) / "single.pt"
     result = run_one_process(out, ENGINE="single", PRESET=preset, PROJ_TYPE=proj_type, FAKE_STEP=fake_step,
-                             BASIS_METHOD=basis_method)  # fmt: skip
+                             BASIS_METHOD=basis_method, SCALE=scale)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out, weights_only=True)
 
@@ -197,3 +199,4 @@ def assert_matches(single: dict, multi: dict, *, int8_folds: int = 0) -> None:
         assert_weights_match(multi["weights"][key], expected, key=key, int8_folds=int8_folds)
     assert multi["multipliers"] == single["multipliers"]  # base weight decay applied on the same steps
     assert all(m < 1.0 for m in single["multipliers"].values())  # ... and applied at all
+

@@ -68,10 +68,13 @@ def build():
     schedule = {"paper": PAPER_REFRESH, "aligned": {"refresh_schedule": "aligned"}, "default": default}[
         os.environ["SCHEDULE"]
     ]
+    # RANKS_FILE: per-layer ranks fixed from the start (rank_allocation=<galore_ranks.json>), expert stacks included.
+    ranks = {"rank_allocation": os.environ["RANKS_FILE"]} if os.environ.get("RANKS_FILE") else {}
     # scale 0.25: the comparisons' tolerances are counted at its step size (see sharded_galore.py)
     galore = GaLoreConfig.preset(
         os.environ["PRESET"], scale=0.25, rank=2 if SPARSE else 8, expert_rank=4, experts=True, update_proj_gap=3,
         moment_handling=os.environ["MOMENT_HANDLING"], proj_type=os.environ.get("PROJ_TYPE", "std"), **schedule,
+        **ranks,
     )  # fmt: skip
     return prepare_model(model, galore)
 

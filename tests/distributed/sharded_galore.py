@@ -26,7 +26,13 @@ from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_
 from hf_galore_plugin.layers.linear import COUNTER_NAMES
 
 STEPS = int(os.environ.get("STEPS", 30))
-GLOBAL_BATCH, ACCUMULATION, LR, WEIGHT_DECAY = 16, 2, 1e-2, 0.01
+GLOBAL_BATCH, ACCUMULATION, WEIGHT_DECAY = 16, 2, 0.01
+# SCALE: 0.25 (one scale for every layer) or 'auto' (each layer's sqrt(projected side / rank), about 2-3 here).
+# The weight tolerances of the engine comparisons are counted at the step size of scale 0.25 and lr 1e-2, so a
+# run at 'auto' takes lr 1e-3: its projected layers step about as far (1e-3 x 2-3 against 1e-2 x 0.25); at lr 1e-2
+# they would move ~10x further per step, and the reduction-order differences with them.
+SCALE = os.environ.get("SCALE", "0.25")
+LR = float(os.environ.get("LR", 1e-3 if SCALE == "auto" else 1e-2))
 
 
 class Block(nn.Module):
@@ -44,12 +50,9 @@ def build_model(preset: str, proj_type: str) -> nn.Module:
     # Odd sizes shard unevenly over 2 ranks: 33 rows (right basis, 33x16) -> 17 + 16; 25 rows (left
     # basis, 25x33) -> 13 + 12; the left factors have 4 rows -> 2 + 2.
     model = nn.Sequential(Block(16, 33), Block(33, 25), Block(25, 12), nn.Linear(12, 8))
-    # scale 0.25 (one scale for every layer): the weight tolerances of the engine comparisons are counted at
-    # its step size; scale='auto' (about 2-3 here) moves the weights ~10x further per step, and the same
-    # reduction-order differences with them.
     config = GaLoreConfig.preset(
         preset,
-        scale=0.25,
+        scale=SCALE if SCALE == "auto" else float(SCALE),
         rank=4,
         update_proj_gap=10,
         proj_type=proj_type,
@@ -167,12 +170,22 @@ def main(out: str) -> None:
             weights = {k: full(v).detach().clone() for k, v in merged_state_dict(model).items()}
         del forward  # DDP's reducer, released before the process group goes
     multipliers = {name.replace("_fsdp_wrapped_module.", ""): layer.alpha for name, layer in galore_layers(model)}
+    scales = {name.replace("_fsdp_wrapped_module.", ""): layer.scale for name, layer in galore_layers(model)}
     for name, layer in galore_layers(model):
         saved = layer.state_dict()  # what a checkpoint holds
         buffers = {counter: int(saved[counter]) for counter in COUNTER_NAMES}
         assert {counter: layer.counter(counter) for counter in COUNTER_NAMES} == buffers, (rank, name, buffers)
     if rank == 0:
-        torch.save({"losses": losses, "refreshes": refreshes, "weights": weights, "multipliers": multipliers}, out)
+        torch.save(
+            {
+                "losses": losses,
+                "refreshes": refreshes,
+                "weights": weights,
+                "multipliers": multipliers,
+                "scales": scales,
+            },
+            out,
+        )
 
 
 if __name__ == "__main__":
