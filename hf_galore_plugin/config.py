@@ -208,10 +208,12 @@ class GaLoreConfig:
         "galore_adafactor runs it: a factored second moment, m + r values for an m x r factor instead of Adam's "
         "2 m r; update clipping; the step size is the learning rate, relative_step and scale_parameter off). "
         "With 'adafactor', state_bits=8, error_feedback, state_offload='cpu' and residual are refused (AdamW's); "
-        "it runs in one process and under DDP, and is refused under FSDP1, FSDP2 and DeepSpeed ZeRO. 'muon' "
+        "it runs in one process, under DDP and under FSDP2 (row shards: the statistics that sum over rows are "
+        "summed over the shards), and is refused under FSDP1 and DeepSpeed ZeRO (1-D flat partitions). 'muon' "
         "(galore_muon: torch.optim.Muon's rule on the factors, momentum orthogonalised by Newton-Schulz, the step "
         "RMS-matched to AdamW's so an AdamW rate carries over; AdamW on every other parameter; one m x r fp32 "
-        "momentum per factor, half of Adam's state) has the same limits as 'adafactor'.",
+        "momentum per factor, half of Adam's state) has the same limits as 'adafactor' (under FSDP2 each rank "
+        "gathers the matrix it orthogonalises and keeps its rows).",
         default="adamw",
     )
     adafactor_beta1: Optional[float] = _help(

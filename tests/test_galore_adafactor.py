@@ -256,11 +256,15 @@ def test_refresh_hands_adafactor_the_change(tiny_llama, monkeypatch, policy):
 
 
 def test_engines_that_partition_the_factor_are_refused_by_name():
-    for engine in ("single", "ddp"):
+    for engine in ("single", "ddp", "fsdp2"):  # whole factors, or whole rows (FSDP2)
         check_inner_optimizer(engine, inner_optimizer="adafactor")
-    for engine, label in (("fsdp1", "FSDP1"), ("fsdp2", "FSDP2"), ("zero1", "ZeRO-1"), ("zero2", "ZeRO-2"),
-                          ("zero3", "ZeRO-3")):  # fmt: skip
-        with pytest.raises(UnsupportedByEngine, match=f"inner_optimizer='adafactor'.*{label}"):
+    for engine, label, layout in (("fsdp1", "FSDP1", "1-D view of its unit's flat shard"),
+                                  ("zero1", "ZeRO-1", "one fp32 partition per rank"),
+                                  ("zero2", "ZeRO-2", "one fp32 partition per rank"),
+                                  ("zero3", "ZeRO-3", "one fp32 partition per rank")):  # fmt: skip
+        # the engine, why Adafactor cannot run on what it hands the optimizer, and where it runs instead
+        match = f"inner_optimizer='adafactor'.*{label}.*row and column sums.*{layout}.*galore_adamw.*under FSDP2"
+        with pytest.raises(UnsupportedByEngine, match=match):
             check_inner_optimizer(engine, inner_optimizer="adafactor")
 
 
@@ -314,14 +318,80 @@ def test_trainer_and_create_optimizer_refuse_partitioning_engines_by_name(tiny_l
     class FSDP:
         deepspeed = None
         fsdp = ["full_shard"]
-        fsdp_config = {"fsdp_version": 2}
+        fsdp_config = {"version": 1}  # TrainingArguments strip the fsdp_ prefix of fsdp_config's keys
+
+    class FSDP2:
+        deepspeed = None
+        fsdp = ["full_shard"]
+        fsdp_plugin_args = {"fsdp_version": 2}  # what TrainingArguments resolved (FSDP2 is their default)
+        fsdp_config: dict = {}
 
     with pytest.raises(UnsupportedByEngine, match="'adafactor'.*DeepSpeed ZeRO-2"):
         check_training_args(ZeRO(), "galore_adafactor", adafactor)
-    with pytest.raises(UnsupportedByEngine, match="'adafactor'.*FSDP2"):
+    with pytest.raises(UnsupportedByEngine, match="'adafactor'.*FSDP1"):
         check_training_args(FSDP(), "galore_adafactor", adafactor)
+    check_training_args(FSDP2(), "galore_adafactor", adafactor)  # Adafactor runs on FSDP2's row shards
     check_training_args(ZeRO(), "galore_adamw", GaLoreConfig())  # AdamW runs there
     model = prepare_model(tiny_llama(vocab_size=96), GaLoreConfig.preset("galore_adafactor", rank=16))
     galore_layers(model)[0][1].galore_factor.ds_id = 0  # as ZeRO-3 marks a partitioned parameter
     with pytest.raises(UnsupportedByEngine, match="ZeRO-3"):
         create_optimizer(model, lr=1e-3)
+
+
+# ---------------------------------------------------------------------- FSDP2
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "proj_type, moment_handling",
+    [
+        ("std", "keep"),  # right-basis factors 33 x 4 (17 + 16 rows), left-basis factors 4 x 33 (2 + 2 rows)
+        ("full", "keep"),  # two-sided bases
+        ("right", "project"),  # the factored moment moved into each new basis: its column mean over all rows
+    ],
+)
+def test_fsdp2_row_shards_sum_the_column_statistics_as_one_process(tmp_path, proj_type, moment_handling):
+    """Under FSDP2 (fully_shard) each factor is a DTensor sharded on rows: the row statistics stay on their
+    rank, the column statistic, the mean of the row statistic and the update's RMS are summed over the shards,
+    so 2 ranks train as one process does within the engines' tolerances (every other parameter, also sharded,
+    steps by Adafactor too); rank 0 keeps only its rows of the state."""
+    from distributed._launch import assert_matches, engine_and_reference
+
+    single, multi = engine_and_reference(
+        tmp_path, "fsdp2", "galore_adafactor", proj_type, BASIS_METHOD="svd", MOMENT_HANDLING=moment_handling
+    )
+    assert_matches(single, multi)
+    # Row statistics (and the other parameters' elementwise ones) sharded, column statistics whole on every rank:
+    # rank 0 holds 0.58-0.69 of one process's state values (measured).
+    assert multi["state_numel"] < 0.75 * single["state_numel"], (multi["state_numel"], single["state_numel"])
+
+
+def _moe_run(tmp_path, engine: str, **env: str) -> dict:
+    """tests/distributed/moe_engines.py (a tiny Qwen3-MoE with GaLore expert stacks, PAPER_REFRESH) under
+    `engine`: in one process for 'single', else on 2 ranks."""
+    from distributed._launch import SCRIPT, run_one_process, run_two_ranks
+
+    run = run_one_process if engine == "single" else run_two_ranks
+    out = tmp_path / f"{engine}.pt"
+    result = run(out, script=SCRIPT.with_name("moe_engines.py"), ENGINE=engine, SCHEDULE="paper", **env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "moment_handling, proj_type, sparse",
+    [
+        ("keep", "std", False),
+        ("project", "right", True),  # 7 experts cut 4 + 3, some without tokens; the state moved per local expert
+    ],
+)
+def test_fsdp2_expert_stacks_keep_their_statistics_on_their_rank_as_one_process(
+    tmp_path, moment_handling, proj_type, sparse
+):
+    """FSDP2 shards an expert stack (E x m x r factors) on its expert dimension: each rank holds whole matrices,
+    whose row and column statistics are its own (only the update's RMS sums over the shards), and the 2-rank run
+    matches one process as the AdamW runs of tests/test_experts.py do."""
+    from test_experts import _assert_moe_runs_match
+
+    env = dict(PRESET="galore_adafactor", MOMENT_HANDLING=moment_handling, PROJ_TYPE=proj_type,
+               SPARSE="1" if sparse else "0")  # fmt: skip
+    _assert_moe_runs_match(_moe_run(tmp_path, "fsdp2", **env), _moe_run(tmp_path, "single", **env), sparse=sparse)

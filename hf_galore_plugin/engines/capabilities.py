@@ -45,6 +45,9 @@ class EngineCapabilities:
     state_offload_alternative: str = ""
     # Why residual=True (Fira's residual, written into W0 in each layer's backward) is refused (empty where it runs).
     residual_reason: str = ""
+    # Why an inner optimizer that needs each factor's rows and columns (Muon, Adafactor) is refused: what the
+    # engine hands the optimizer instead (empty where they run).
+    whole_factor_reason: str = ""
 
 
 _ZERO_REASON = "the moments of one factor are spread over ZeRO's flat partitions"
@@ -59,6 +62,12 @@ _ZERO_OFFLOAD_ALTERNATIVE = (
 )
 
 
+_ZERO_WHOLE_FACTOR_REASON = (
+    "ZeRO flattens each parameter group into one fp32 partition per rank, cut across parameter boundaries, and "
+    "steps it with the client optimizer on that 1-D partition, which holds no factor's rows and columns"
+)
+
+
 def _zero(label: str) -> EngineCapabilities:
     """A DeepSpeed ZeRO stage: fp32 master copy, optimizer state in flat partitions."""
     return EngineCapabilities(
@@ -69,6 +78,7 @@ def _zero(label: str) -> EngineCapabilities:
         state_offload_reason=_ZERO_OFFLOAD_REASON,
         state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
         residual_reason=_ZERO_RESIDUAL_REASON,
+        whole_factor_reason=_ZERO_WHOLE_FACTOR_REASON,
     )
 
 
@@ -95,6 +105,10 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
         residual_reason=(
             "the residual is written into W0 in the backward, where FSDP1 holds an unsharded copy it discards, "
             "and the optimizer sees the factor as a 1-D slice whose Adam update has no rows"
+        ),
+        whole_factor_reason=(
+            "with use_orig_params=True the optimizer sees each factor as a 1-D view of its unit's flat shard, cut "
+            "at any element (a rank may hold part of a row, or none of the factor), which has no rows and columns"
         ),
     ),
     "fsdp2": EngineCapabilities(
@@ -167,30 +181,29 @@ def check_state_offload(engine: str, *, state_offload: str) -> None:
     )
 
 
-# Inner optimizers other than AdamW run where the optimizer holds each factor whole (one process, DDP).
-_WHOLE_FACTOR_ENGINES = ("single", "ddp")
-
-
-# What each such optimizer computes over the whole factor.
+# What each inner optimizer other than AdamW computes over the whole factor.
 _WHOLE_FACTOR_NEEDS = {
-    "adafactor": "its factored second moment needs",
+    "adafactor": "its factored second moment needs the row and column sums of",
     "muon": "its Newton-Schulz orthogonalisation of the factor's momentum needs",
 }
 
 
 def check_inner_optimizer(engine: str, *, inner_optimizer: str) -> None:
-    """Raise :class:`UnsupportedByEngine` when `engine` cannot run `inner_optimizer` on the GaLore factors:
-    Adafactor factors its second moment over the rows and columns of the whole factor, Muon orthogonalises the
-    whole factor's momentum; FSDP1 and ZeRO hold a factor as 1-D flat partitions and FSDP2 as row shards (and ZeRO
-    steps its own partitions)."""
+    """Raise :class:`UnsupportedByEngine` when `engine` cannot run `inner_optimizer` on the GaLore factors.
+
+    Adafactor factors its second moment over the rows and columns of each factor, Muon orthogonalises each
+    factor's momentum: both run where the optimizer holds a factor whole (one process, DDP) or as whole rows
+    (FSDP2's DTensor row shards, whose column sums and orthogonalisation the optimizers gather: `optim.adafactor`,
+    `optim.muon`). FSDP1 and ZeRO hand the optimizer 1-D flat partitions (their rows of the table say how)."""
     if engine not in CAPABILITIES:
         raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    if inner_optimizer == "adamw" or engine in _WHOLE_FACTOR_ENGINES:
+    caps = CAPABILITIES[engine]
+    if inner_optimizer == "adamw" or not caps.whole_factor_reason:
         return
     needs = _WHOLE_FACTOR_NEEDS.get(inner_optimizer, "it needs")
     raise UnsupportedByEngine(
-        f"inner_optimizer={inner_optimizer!r} (galore_{inner_optimizer}) is not supported under "
-        f"{CAPABILITIES[engine].label}: {needs} each GaLore factor whole and 2-D, which "
-        f"{CAPABILITIES[engine].label} partitions. Use galore_adamw (inner_optimizer='adamw') there, or train in "
-        "one process or under DDP."
+        f"inner_optimizer={inner_optimizer!r} (galore_{inner_optimizer}) is not supported under {caps.label}: "
+        f"{needs} each GaLore factor as a 2-D matrix, and {caps.whole_factor_reason}. Use galore_adamw "
+        f"(inner_optimizer='adamw') under {caps.label}, or train with galore_{inner_optimizer} under FSDP2 "
+        "(fully_shard / accelerate fsdp_version: 2), DDP or in one process."
     )

@@ -24,12 +24,16 @@ __all__ = [
     "all_reduce_mean",
     "from_local",
     "full_tensor",
+    "gather_rows",
     "is_dtensor",
     "local_rows",
     "local_shard",
     "one_row_per_shard",
+    "placed_like",
+    "rows_sharded",
     "same_layout",
     "shard_like",
+    "sum_over_shards",
     "world_size",
 ]
 
@@ -78,6 +82,50 @@ def from_local(local: torch.Tensor, like: "DTensor", placements: Any = None, **s
     return _DTensor.from_local(local, like.device_mesh, placements, run_check=False, **shape_and_stride)
 
 
+def placed_like(local: torch.Tensor, like: "DTensor", shape: torch.Size, *, replicated: bool = False) -> "DTensor":
+    """The DTensor of global `shape` (contiguous) whose local part on this rank is `local`, on `like`'s mesh:
+    sharded on dimension 0 as `like` is (per-row data of a row-sharded parameter: an optimizer's statistics),
+    or with ``replicated`` the same whole tensor on every rank. No communication."""
+    placements = [Replicate() for _ in like.placements] if replicated else like.placements
+    stride: list[int] = []
+    size = 1
+    for dim in reversed(shape):
+        stride.insert(0, size)
+        size *= dim
+    return from_local(local, like, placements, shape=torch.Size(shape), stride=tuple(stride))
+
+
+def _to_mesh_device(tensor: torch.Tensor, like: "DTensor") -> torch.Tensor:
+    """`tensor` on the device type `like`'s mesh communicates on: FSDP2's CPUOffloadPolicy keeps shards on the
+    host while the mesh's process group may reach devices only."""
+    device_type = like.device_mesh.device_type
+    return tensor if tensor.device.type == device_type else tensor.to(device_type)
+
+
+def sum_over_shards(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """In-place sum of `tensor`, a partial result over this rank's shard of `like`, over the ranks that hold
+    `like`'s other shards (each mesh dimension `like` is sharded on; not those it is replicated on), returned.
+    *Collective* over those ranks for a DTensor `like`; a no-op for any other tensor."""
+    if not is_dtensor(like):
+        return tensor
+    moved = _to_mesh_device(tensor, like)
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            torch.distributed.all_reduce(moved, group=like.device_mesh.get_group(mesh_dim))
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def gather_rows(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole tensor whose part on this rank is `local`, cut as `like` (a DTensor, e.g. a parameter of which
+    `local` is a function of the local shard) is: all-gathered over `like`'s mesh, on `local`'s device.
+    *Collective* for a DTensor `like`; `local` itself otherwise."""
+    if not is_dtensor(like):
+        return local
+    return from_local(_to_mesh_device(local, like), like).full_tensor().to(local.device)
+
+
 def one_row_per_shard(t: "DTensor") -> tuple[int, list[int], list[Any]]:
     """How `t` is cut, for per-shard data (an 8-bit state's block scales): (number of shards, the shape of the
     largest shard, the placements of a tensor with one row per shard). torch.chunk-style sharding gives the
@@ -95,6 +143,14 @@ def one_row_per_shard(t: "DTensor") -> tuple[int, list[int], list[Any]]:
         else:
             raise NotImplementedError(f"DTensor placement {placement} is not supported (Shard and Replicate are)")
     return shards, largest, placements
+
+
+def rows_sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor that holds whole rows: every placement is ``Shard(0)`` (FSDP2's default) or
+    ``Replicate`` (HSDP's other mesh dimension), so a rank's shard is rows [start, stop) (:func:`local_rows`)."""
+    return is_dtensor(t) and all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in t.placements
+    )
 
 
 def local_rows(t: torch.Tensor) -> tuple[int, int]:

@@ -43,14 +43,25 @@ def check_training_args(args: Any, name: str, config: Optional[GaLoreConfig] = N
                                   inner_optimizer=config.inner_optimizer)  # fmt: skip
         fsdp = getattr(args, "fsdp", None)
         if fsdp:
-            version = (getattr(args, "fsdp_config", None) or {}).get("fsdp_version", 1)
-            check_inner_optimizer("fsdp2" if str(version) == "2" else "fsdp1", inner_optimizer=config.inner_optimizer)
+            check_inner_optimizer(f"fsdp{_fsdp_version(args)}", inner_optimizer=config.inner_optimizer)
     if isinstance(ds_config, dict) and "optimizer" in ds_config:
         raise ValueError(
             f"optim={name!r}: the DeepSpeed config has an 'optimizer' block "
             f"({ds_config['optimizer'].get('type', '?')!r}), which would replace the GaLore optimizer "
             "silently. Remove the 'optimizer' block from the DeepSpeed config (keep 'scheduler' if you like)."
         )
+
+
+def _fsdp_version(args: Any) -> int:
+    """The FSDP version `args` configure: what TrainingArguments resolved (``fsdp_plugin_args``), else the
+    ``fsdp_config`` entry (TrainingArguments strip its ``fsdp_`` prefix: "version"), else 1 (FSDP1, whose
+    refusals are the wider: an unknown version is not let through as FSDP2)."""
+    resolved = getattr(args, "fsdp_plugin_args", None)
+    if isinstance(resolved, dict) and resolved.get("fsdp_version") is not None:
+        return 2 if str(resolved["fsdp_version"]) == "2" else 1
+    fsdp_config = getattr(args, "fsdp_config", None) or {}
+    version = fsdp_config.get("version", fsdp_config.get("fsdp_version", 1))
+    return 2 if str(version) == "2" else 1
 
 
 def wrap_init(original: Callable) -> Callable:

@@ -27,10 +27,19 @@ eps[0] is multiplied by scale**2 (``galore_param_groups``) and the update is exa
 moves by ``lr * scale * update`` as in galore-torch. ``scale_parameter`` is refused there: it scales the step
 by the RMS of the parameter, which for galore-torch is the whole weight and here would be the factor B (zero
 after every refresh). ``relative_step`` with weight decay is refused there too: the base weight W0 decays with
-the group's lr (``install_base_decay_hook``), which a relative step does not use. The factor must be whole and
-2-D or 3-D: the factored moment of an engine's 1-D flat partition (FSDP1, DeepSpeed ZeRO) or of a DTensor shard
-(FSDP2) would be another optimizer, so those are refused (``hf_galore_plugin.create_optimizer`` refuses them by
-engine before; the step refuses what gets past).
+the group's lr (``install_base_decay_hook``), which a relative step does not use. A GaLore factor must
+be 2-D or 3-D with whole rows: the factored moment of an engine's 1-D flat partition (FSDP1, DeepSpeed ZeRO) would
+be another optimizer, so those are refused (``hf_galore_plugin.create_optimizer`` refuses them by engine before;
+the step refuses what gets past).
+
+Under FSDP2 a parameter is a DTensor sharded on rows (``Shard(0)``, replicated over any other mesh dimension) and
+its state is DTensors (distributed checkpoints reshard them): "exp_avg", "exp_avg_sq" and "exp_avg_sq_row" are
+sharded on dimension 0 like the parameter, each rank updating its own rows. What sums over the sharded
+dimension is summed over the shards (one all-reduce each): the column statistic of a matrix (the mean of g^2
+over its rows, r values; kept whole on every rank, a replicated DTensor), the mean of its row statistic, and the
+RMS of the update (and of the parameter, with ``scale_parameter``). An expert stack sharded on its expert
+dimension holds whole matrices: its statistics are local, and only the RMS is summed. The update is one
+process's up to the order of those sums.
 """
 
 from __future__ import annotations
@@ -42,26 +51,41 @@ from typing import Any, Optional
 import torch
 
 from hf_galore_plugin.engines.basis import LINEAR, SQUARED, BasisChange
-from hf_galore_plugin.engines.collectives import is_dtensor
+from hf_galore_plugin.engines.collectives import is_dtensor, local_shard, placed_like, rows_sharded, sum_over_shards
 
 __all__ = ["Adafactor", "ADAFACTOR_STATE_KEYS"]
 
 ADAFACTOR_STATE_KEYS = ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
 
 
-def _rms(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.norm(2) / (tensor.numel() ** 0.5)
+def _rms(tensor: torch.Tensor, param: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The RMS of the whole tensor whose local part is `tensor`: of `param`'s shape, summed over its shards
+    (*collective*) when `param` is a DTensor."""
+    if param is None or not is_dtensor(param):
+        return tensor.norm(2) / (tensor.numel() ** 0.5)
+    return sum_over_shards(tensor.square().sum(), param).sqrt() / (param.numel() ** 0.5)
 
 
-def _second_moment(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+def _mean(local: torch.Tensor, dim: int, param: Optional[torch.Tensor], keepdim: bool = False) -> torch.Tensor:
+    """The mean over dimension `dim` of the state or gradient tensor whose local part is `local`. Where that
+    dimension is `param`'s dimension 0 and `param` a DTensor (a matrix's rows under FSDP2), the sums of the
+    shards are summed (*collective*) and divided by the rows of the whole parameter."""
+    if param is None or not (is_dtensor(param) and dim % local.dim() == 0):
+        return local.mean(dim=dim, keepdim=keepdim)
+    return sum_over_shards(local.sum(dim=dim, keepdim=keepdim), param) / param.shape[0]
+
+
+def _second_moment(row: torch.Tensor, col: torch.Tensor, param: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The factored second moment as a matrix: (row / mean(row)) (x) col (the paper's rank-1 reconstruction,
     Algorithm 4; ``row / mean(row)`` is transformers' normalisation, mean(row) being the mean of the whole
-    matrix)."""
-    return (row / row.mean(dim=-1, keepdim=True)).unsqueeze(-1) * col.unsqueeze(-2)
+    matrix). Local rows of a DTensor `param`."""
+    return (row / _mean(row, -1, param, keepdim=True)).unsqueeze(-1) * col.unsqueeze(-2)
 
 
-def _inverse_sqrt_second_moment(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+def _inverse_sqrt_second_moment(
+    row: torch.Tensor, col: torch.Tensor, param: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    r_factor = (row / _mean(row, -1, param, keepdim=True)).rsqrt_().unsqueeze(-1)
     return r_factor * col.unsqueeze(-2).rsqrt()
 
 
@@ -105,12 +129,18 @@ def _check_group(group: dict[str, Any]) -> None:
 
 
 def _refuse_partitioned(param: torch.Tensor, group: dict[str, Any]) -> None:
-    if is_dtensor(param) or param.dim() < 2 or hasattr(param, "ds_id"):
+    if is_dtensor(param):
+        if rows_sharded(param):
+            return
         raise RuntimeError(
-            f"Adafactor: a GaLore factor reaches the step as {'a DTensor shard' if is_dtensor(param) else 'a flat '}"
-            f"{'' if is_dtensor(param) else 'partition'} of shape {tuple(param.shape)}: its factored second moment "
-            "needs the whole matrix. GaLore with Adafactor runs in one process and under DDP; FSDP1, FSDP2 and "
-            "DeepSpeed ZeRO are not supported (use galore_adamw there)."
+            f"Adafactor: a parameter is a DTensor placed {tuple(param.placements)}: a shard of another "
+            "dimension than the rows holds parts of every row. Shard it on dimension 0 (FSDP2's default)."
+        )
+    if param.dim() < 2 or hasattr(param, "ds_id"):
+        raise RuntimeError(
+            f"Adafactor: a GaLore factor reaches the step as a flat partition of shape {tuple(param.shape)}: its "
+            "factored second moment needs the rows and columns of the matrix. GaLore with Adafactor runs in one "
+            "process, under DDP and under FSDP2; FSDP1 and DeepSpeed ZeRO are not supported (use galore_adamw there)."
         )
 
 
@@ -157,27 +187,39 @@ class Adafactor(torch.optim.Optimizer):
                 _refuse_partitioned(param, group)
 
     @staticmethod
-    def _step_size(group: dict[str, Any], step: int, param: torch.Tensor) -> float | torch.Tensor:
+    def _step_size(group: dict[str, Any], step: int, work: torch.Tensor, param: torch.Tensor) -> float | torch.Tensor:
         size: float = float(group["lr"]) if not group["relative_step"] else 0.0
         if group["relative_step"]:
             floor = 1e-6 * step if group["warmup_init"] else 1e-2
             size = min(floor, 1.0 / math.sqrt(step))
         if group["scale_parameter"]:
             # A tensor (no host sync): max(eps[1], RMS(param)) * size.
-            return _rms(param.float()).clamp(min=float(group["eps"][1])) * size
+            return _rms(work, param).clamp(min=float(group["eps"][1])) * size
         return size
 
     def _init_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         shape = param.shape
-        device = param.device
+        local = local_shard(param)
+        device = local.device
+
+        def zeros(whole: torch.Size, rows: torch.Size, replicated: bool = False) -> torch.Tensor:
+            # `whole`: the state tensor's shape; `rows`: its local part's shape under a DTensor `param`
+            # (its dimension 0 is the parameter's, sharded alike, unless `replicated`).
+            if not is_dtensor(param):
+                return torch.zeros(whole, dtype=torch.float32, device=device)
+            value = torch.zeros(whole if replicated else rows, dtype=torch.float32, device=device)
+            return placed_like(value, param, whole, replicated=replicated)
+
         state: dict[str, Any] = {"step": 0}
         if group["beta1"] is not None:
-            state["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=device)
+            state["exp_avg"] = zeros(shape, local.shape)
         if len(shape) >= 2:
-            state["exp_avg_sq_row"] = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
-            state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:], dtype=torch.float32, device=device)
+            state["exp_avg_sq_row"] = zeros(shape[:-1], local.shape[:-1])
+            # A matrix's column statistic sums over all rows: whole on every rank; a stack's is per expert.
+            col_rows = local.shape[:-2] + local.shape[-1:]
+            state["exp_avg_sq_col"] = zeros(shape[:-2] + shape[-1:], col_rows, replicated=len(shape) == 2)
         else:
-            state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=device)
+            state["exp_avg_sq"] = zeros(shape, local.shape)
         return state
 
     @torch.no_grad()
@@ -193,39 +235,42 @@ class Adafactor(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if galore:
+                if galore or is_dtensor(param):
                     _refuse_partitioned(param, group)
                 if param.grad.is_sparse:
                     raise RuntimeError("Adafactor does not support sparse gradients")
-                grad = param.grad.float()
+                # A DTensor (FSDP2) steps its local rows with the local rows of its state; `param` still says
+                # what the sums over rows and the RMS reduce over (_mean, _rms).
+                local = local_shard(param)
+                grad = local_shard(param.grad).float()
                 state = self.state[param]
                 if not state:
                     state.update(self._init_state(param, group))
                 state["step"] = step = int(state["step"]) + 1
-                work = param if param.dtype == torch.float32 else param.float()
-                lr_t = self._step_size(group, step, work)
+                work = local if local.dtype == torch.float32 else local.float()
+                lr_t = self._step_size(group, step, work, param)
                 beta2t = 1.0 - math.pow(step, float(group["decay_rate"]))
                 squared = grad.square().add_(eps1)
                 if "exp_avg_sq_row" in state:
-                    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+                    row, col = local_shard(state["exp_avg_sq_row"]), local_shard(state["exp_avg_sq_col"])
                     row.mul_(beta2t).add_(squared.mean(dim=-1), alpha=1.0 - beta2t)
-                    col.mul_(beta2t).add_(squared.mean(dim=-2), alpha=1.0 - beta2t)
-                    update = _inverse_sqrt_second_moment(row, col).mul_(grad)
+                    col.mul_(beta2t).add_(_mean(squared, -2, param), alpha=1.0 - beta2t)
+                    update = _inverse_sqrt_second_moment(row, col, param).mul_(grad)
                 else:
-                    exp_avg_sq = state["exp_avg_sq"]
+                    exp_avg_sq = local_shard(state["exp_avg_sq"])
                     exp_avg_sq.mul_(beta2t).add_(squared, alpha=1.0 - beta2t)
                     update = exp_avg_sq.rsqrt().mul_(grad)
-                update.div_((_rms(update) / clip).clamp_(min=1.0))
+                update.div_((_rms(update, param) / clip).clamp_(min=1.0))
                 update.mul_(lr_t)
                 if beta1 is not None:
-                    exp_avg = state["exp_avg"]
+                    exp_avg = local_shard(state["exp_avg"])
                     exp_avg.mul_(float(beta1)).add_(update, alpha=1.0 - float(beta1))
                     update = exp_avg
                 if wd:
                     work.add_(work * (-wd * lr_t))
                 work.sub_(update)
-                if work is not param:
-                    param.copy_(work)
+                if work is not local:
+                    local.copy_(work)
         return loss
 
     def reset_state(self, param: torch.Tensor) -> None:
@@ -276,9 +321,12 @@ class Adafactor(torch.optim.Optimizer):
                 row.copy_(change.apply(row, SQUARED, param))
                 col.copy_(change.apply(col, SQUARED, param))
                 return
-            moved = change.apply(_second_moment(row, col), SQUARED, param)
+            # On local rows under FSDP2 (a left basis mixes rows: refused there for a matrix by
+            # engines.capabilities.check_moment_handling; a stack's experts are whole on their rank).
+            row, col = local_shard(row), local_shard(col)
+            moved = change.apply(_second_moment(row, col, param), SQUARED, param)
             row.copy_(moved.mean(dim=-1))
-            col.copy_(moved.mean(dim=-2))
+            col.copy_(_mean(moved, -2, param))
         elif "exp_avg_sq" in state:
             state["exp_avg_sq"].copy_(change.apply(state["exp_avg_sq"], SQUARED, param))
 
@@ -298,8 +346,8 @@ class Adafactor(torch.optim.Optimizer):
             }
 
     def state_nbytes(self) -> int:
-        """Bytes of every state tensor this process holds."""
+        """Bytes of every state tensor this process holds (local shards of DTensors)."""
         return sum(
-            v.numel() * v.element_size() for state in self.state.values() for v in state.values()
+            local_shard(v).numel() * v.element_size() for state in self.state.values() for v in state.values()
             if isinstance(v, torch.Tensor)
         )  # fmt: skip

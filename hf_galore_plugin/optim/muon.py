@@ -32,9 +32,16 @@ equals the dense weight's max(m, n) under ``proj_type='std'`` (the basis project
 
 State per Muon parameter: "momentum_buffer" (fp32 or fp64 as above, the parameter's shape; torch's key). Per AdamW parameter:
 "step" (int), "exp_avg", "exp_avg_sq" (fp32). Plain tensors and numbers, so ``torch.load(weights_only=True)``
-works. A GaLore factor must be whole: the orthogonalisation needs the whole matrix, which an engine's 1-D flat
-partition (FSDP1, DeepSpeed ZeRO) or a DTensor row shard (FSDP2) is not; ``hf_galore_plugin.create_optimizer``
-refuses those engines by name, the step refuses what gets past.
+works.
+
+Under FSDP2 a parameter is a DTensor sharded on rows (``Shard(0)``, replicated over any other mesh dimension),
+and so is its state (DTensors placed like it: distributed checkpoints reshard them). The orthogonalisation needs
+the whole matrix: each rank forms the matrix to orthogonalise on its own rows, all-gathers it (one m x r matrix
+per factor and step, the size of the factor), runs the same Newton-Schulz on the same input as every other rank,
+and keeps its own rows of the result; the momentum stays sharded. An expert stack sharded on its expert
+dimension holds whole matrices and orthogonalises them where they are. The AdamW groups step each rank's shard
+(elementwise). An engine's 1-D flat partition (FSDP1, DeepSpeed ZeRO) has no rows: ``create_optimizer`` refuses
+those engines by name (``engines.capabilities``), the step refuses what gets past.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from typing import Any, Optional
 import torch
 
 from hf_galore_plugin.engines.basis import LINEAR, BasisChange
-from hf_galore_plugin.engines.collectives import is_dtensor
+from hf_galore_plugin.engines.collectives import gather_rows, is_dtensor, local_rows, local_shard, rows_sharded
 from hf_galore_plugin.optim.functional import adamw_step_fp32
 
 __all__ = ["Muon", "MUON_STATE_KEYS", "NS_COEFFICIENTS", "newton_schulz", "rms_matching_factor"]
@@ -135,13 +142,26 @@ def _uses_muon(group: dict[str, Any]) -> bool:
 
 
 def _refuse_partitioned(param: torch.Tensor) -> None:
-    if is_dtensor(param) or param.dim() < 2 or hasattr(param, "ds_id"):
-        what = "a DTensor shard" if is_dtensor(param) else "a flat partition"
+    if is_dtensor(param):
+        if rows_sharded(param):
+            return
         raise RuntimeError(
-            f"Muon: a parameter it orthogonalises reaches the step as {what} of shape {tuple(param.shape)}: "
-            "Newton-Schulz needs the whole matrix. GaLore with Muon runs in one process and under DDP; FSDP1, "
-            "FSDP2 and DeepSpeed ZeRO are not supported (use galore_adamw there)."
+            f"Muon: a parameter it orthogonalises is a DTensor placed {tuple(param.placements)}: a shard of another "
+            "dimension than the rows holds parts of every row. Shard it on dimension 0 (FSDP2's default)."
         )
+    if param.dim() < 2 or hasattr(param, "ds_id"):
+        raise RuntimeError(
+            f"Muon: a parameter it orthogonalises reaches the step as a flat partition of shape {tuple(param.shape)}: "
+            "Newton-Schulz needs the whole matrix. GaLore with Muon runs in one process, under DDP and under FSDP2; "
+            "FSDP1 and DeepSpeed ZeRO are not supported (use galore_adamw there)."
+        )
+
+
+def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A zero state tensor of `param`'s shape in `dtype`: a DTensor placed like a DTensor `param`."""
+    if is_dtensor(param):
+        return torch.zeros_like(param, dtype=dtype)
+    return torch.zeros(param.shape, dtype=dtype, device=param.device)
 
 
 def rms_matching_factor(shape: torch.Size) -> float:
@@ -226,23 +246,37 @@ class Muon(torch.optim.Optimizer):
             _refuse_partitioned(param)
             if param.grad.is_sparse:
                 raise RuntimeError("Muon does not support sparse gradients")
+            # A DTensor (FSDP2) steps its local rows with the local rows of its state.
+            local = local_shard(param)
             # fp32 arithmetic, or the parameter's own where it is wider (fp64)
             dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-            grad = param.grad.to(dtype)
+            grad = local_shard(param.grad).to(dtype)
             state = self.state[param]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros(param.shape, dtype=dtype, device=param.device)
-            buf = state["momentum_buffer"]
+                state["momentum_buffer"] = _zeros(param, dtype)
+            buf = local_shard(state["momentum_buffer"])
             buf.lerp_(grad, 1.0 - mu)
             direction = grad.lerp(buf, mu) if group["nesterov"] else buf
+            # Row shards of a matrix: every rank orthogonalises the whole matrix and keeps its rows. A stack sharded
+            # on its expert dimension holds whole matrices.
+            gathered = is_dtensor(param) and param.dim() == 2
+            if gathered:
+                direction = gather_rows(direction, param)
             update = newton_schulz(
-                direction, group["ns_steps"], group["ns_coefficients"], float(group["ns_eps"]), group["ns_dtype"]
+                direction,
+                group["ns_steps"],
+                group["ns_coefficients"],
+                float(group["ns_eps"]),
+                _dtype(group["ns_dtype"]),
             )
-            work = param if param.dtype == dtype else param.to(dtype)
+            if gathered:
+                start, stop = local_rows(param)
+                update = update[start:stop]
+            work = local if local.dtype == dtype else local.to(dtype)
             work.mul_(1.0 - lr * wd)
             work.add_(update, alpha=-lr * rms_matching_factor(param.shape))
-            if work is not param:
-                param.copy_(work)
+            if work is not local:
+                local.copy_(work)
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = (float(b) for b in group["betas"])
@@ -254,12 +288,14 @@ class Muon(torch.optim.Optimizer):
             state = self.state[param]
             if not state:
                 state["step"] = 0
-                state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-                state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+                state["exp_avg"] = _zeros(param, torch.float32)
+                state["exp_avg_sq"] = _zeros(param, torch.float32)
             state["step"] = int(state["step"]) + 1
+            # Elementwise: a DTensor (FSDP2) steps its local shard.
             adamw_step_fp32(
-                param, param.grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], lr=float(group["lr"]),
-                beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                local_shard(param), local_shard(param.grad), local_shard(state["exp_avg"]),
+                local_shard(state["exp_avg_sq"]), step=state["step"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
             )  # fmt: skip
 
     def reset_state(self, param: torch.Tensor) -> None:
@@ -289,6 +325,14 @@ class Muon(torch.optim.Optimizer):
         if state and "momentum_buffer" in state:
             state["momentum_buffer"].copy_(change.apply(state["momentum_buffer"], LINEAR, param))
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, with each group's ``ns_dtype`` as its name ("bfloat16"): distributed checkpoints
+        (DCP) hold numbers, strings and tensors only. `load_state_dict` takes either."""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            group["ns_dtype"] = str(_dtype(group["ns_dtype"])).removeprefix("torch.")
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, except every state tensor keeps its saved dtype (the fp32 momentum of a bf16 parameter
         stays fp32): torch casts floating state to the parameter's dtype."""
@@ -307,8 +351,8 @@ class Muon(torch.optim.Optimizer):
             }
 
     def state_nbytes(self) -> int:
-        """Bytes of every state tensor this process holds."""
+        """Bytes of every state tensor this process holds (local shards of DTensors)."""
         return sum(
-            v.numel() * v.element_size() for state in self.state.values() for v in state.values()
+            local_shard(v).numel() * v.element_size() for state in self.state.values() for v in state.values()
             if isinstance(v, torch.Tensor)
         )  # fmt: skip

@@ -200,3 +200,18 @@ def assert_matches(single: dict, multi: dict, *, int8_folds: int = 0) -> None:
     assert multi["multipliers"] == single["multipliers"]  # base weight decay applied on the same steps
     assert all(m < 1.0 for m in single["multipliers"].values())  # ... and applied at all
 
+
+def engine_and_reference(
+    tmp_path: Path, engine: str, preset: str, proj_type: str, reference: str = "single", **env: str
+) -> tuple[dict, dict]:
+    """`preset` under `engine` on 2 ranks and under `reference` ('single': in one process; or another engine on
+    2 ranks), with the extra environment `env` in both (not cached): (the reference's result, the engine's), each
+    with "state_numel", the optimizer state values rank 0 holds (local shards of DTensors)."""
+    results = []
+    for name in (reference, engine):
+        run = run_one_process if name == "single" else run_two_ranks
+        out, numel = tmp_path / f"{name}.pt", tmp_path / f"{name}_state_numel.pt"
+        result = run(out, ENGINE=name, PRESET=preset, PROJ_TYPE=proj_type, STATE_NUMEL_OUT=str(numel), **env)
+        assert result.returncode == 0, result.stderr[-4000:]
+        results.append({**torch.load(out, weights_only=True), "state_numel": torch.load(numel, weights_only=True)})
+    return results[0], results[1]

@@ -169,6 +169,15 @@ def main(out: str) -> None:
         with whole:
             weights = {k: full(v).detach().clone() for k, v in merged_state_dict(model).items()}
         del forward  # DDP's reducer, released before the process group goes
+        if os.environ.get("STATE_NUMEL_OUT") and rank == 0:
+            # The optimizer state this rank holds (local shards of DTensors): a sharding engine keeps part of it.
+            state_numel = sum(
+                (v.to_local() if hasattr(v, "to_local") else v).numel()
+                for state in optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            )
+            torch.save(state_numel, os.environ["STATE_NUMEL_OUT"])
     multipliers = {name.replace("_fsdp_wrapped_module.", ""): layer.alpha for name, layer in galore_layers(model)}
     scales = {name.replace("_fsdp_wrapped_module.", ""): layer.scale for name, layer in galore_layers(model)}
     for name, layer in galore_layers(model):
