@@ -222,6 +222,17 @@ def split_method(method: str) -> tuple[str, str, Optional[int]]:
     return BASELINE_KIND[method], "", None
 
 
+def other_rank(method: str, size: Size) -> bool:
+    """Whether `method` is one of the size's GaLore rows at a rank of its own (1 .. hidden - 1), e.g. a budget
+    between the default ranks."""
+    match = re.fullmatch(r"(.+)_r(\d+)", method)
+    return (
+        bool(match)
+        and f"{match.group(1)}_r{size.hidden // RANK_DIVISORS[0]}" in methods_of(size)
+        and (1 <= int(match.group(2)) < size.hidden)
+    )
+
+
 def resolve(method: str) -> tuple[str, Optional[int]]:
     """(the _common method that trains `method`, its GaLore rank or None)."""
     kind, _, rank = split_method(method)
@@ -923,9 +934,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     known = methods_of(SIZES[args.size])
     explicit = [m.strip() for m in args.methods.split(",") if m.strip()]
     args.methods = explicit or list(known)
-    unknown = [m for m in args.methods if m not in known]
+    unknown = [m for m in args.methods if m not in known and not other_rank(m, SIZES[args.size])]
     if unknown:
-        parser.error(f"--methods: unknown {unknown} at size {args.size}; choose from {','.join(known)}")
+        parser.error(f"--methods: unknown {unknown} at size {args.size}; choose from {','.join(known)} (a GaLore "
+                     f"row also at any rank from 1 to {SIZES[args.size].hidden - 1}, e.g. galore_adamw_r24)")  # fmt: skip
     if "adamw" not in args.methods:
         parser.error("--methods must include adamw: every other method runs at its rate")
     if args.resume and args.from_runs:
