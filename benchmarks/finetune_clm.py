@@ -54,7 +54,8 @@ where a method freezes some):
   frozen as LoRA leaves them, and target_modules='all-linear', which projects the untied head too)
                    our presets through the plain API (prepare_model, create_optimizer, after_step after every
                    optimizer step; a layer calibrates, i.e. computes its first basis, at the step of its
-                   refresh phase) at rank R = hidden/16, hidden/8, hidden/4; every GaLoreConfig field at its
+                   refresh phase) at rank R = hidden/16, hidden/8, hidden/4 (the default list; --methods takes
+                   any R from 1 to hidden - 1, e.g. galore_adamw_rank_auto_r24); every GaLoreConfig field at its
                    default (scale 'auto', update_proj_gap 200, targets: every attention and MLP projection),
                    and the GaLore groups' rate times lr_scale 0.85, as the Trainer integration applies it.
                    Embeddings, norms and head train with the presets' AdamW (8-bit state for the 8-bit presets;
