@@ -521,7 +521,9 @@ def moe_ranks_file(tmp_path_factory) -> str:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("engine, schedule", [("ddp", "default"), ("fsdp2", "default"), ("zero2", "aligned")])
+@pytest.mark.parametrize(
+    "engine, schedule", [("ddp", "default"), ("fsdp2", "default"), ("zero2", "aligned"), ("zero3", "aligned")]
+)
 def test_expert_ranks_from_a_file_match_single_process(tmp_path, moe_ranks_file, engine, schedule):
     """Ranks an 'auto' allocation chose for an MoE model, expert stacks included, fixed from the start under an
     engine (rank_allocation=<galore_ranks.json>): trained as one process trains them."""
