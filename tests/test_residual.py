@@ -1,9 +1,10 @@
 """Residual mode (``GaLoreConfig.residual``; Fira, Chen et al. 2024, arXiv 2410.01623) against a dense float64
 reference that forms the full gradient G = dy^T x, its part outside the subspace S = G - G Q Q^T (G - P P^T G
-for a left basis), the previous step's scaling ratio from the factor's Adam update, Fira's growth limiter and
-the lagged rate (layers/linear.py, ``GaLoreLinear._apply_residual``, states the rule). Also: the default runs
-none of it, the rate includes a scaling applied inside ``optimizer.step()`` (GaLoreCallback's lr_scale), a
-checkpoint resumes exactly, and the engines that cannot run it refuse it by name.
+for a left basis), the previous step's scaling ratio from the factor's Adam update, Fira's growth limiter
+(starting from the norm of the basis's first projected update) and the lagged rate (layers/linear.py,
+``GaLoreLinear._apply_residual``, states the rule). Also: the default runs none of it, the rate includes a
+scaling applied inside ``optimizer.step()`` (GaLoreCallback's lr_scale), a checkpoint resumes exactly, and the
+engines that cannot run it refuse it by name.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ class DenseResidual:
         self.lr, self.wd = lr, weight_decay
         self.ratio = None  # phi of the previous step, and that step's rate
         self.rate = None
-        self.previous_norm = 0.0  # the limited norm of the previous step's scaled residual (0: none yet)
+        # the limited norm of the previous step's scaled residual; before the first, the norm of the first projected
+        # update in W's space (scale * ||psi||), set by the first Adam step (0: none yet)
+        self.previous_norm = 0.0
         self.limited = self.unlimited = 0  # micro-batches the limiter cut / let through
 
     def weight(self) -> torch.Tensor:
@@ -133,6 +136,8 @@ class DenseResidual:
         self.rate = self.lr
         if applied:
             self.previous_norm = applied
+        elif self.previous_norm == 0:
+            self.previous_norm = self.scale * float(update.norm())
         self.alpha *= 1.0 - self.lr * self.wd
 
 

@@ -89,8 +89,8 @@ class GaLoreLinear(GaLoreLayerBase):
 
     # Residual mode (config.residual, one-sided basis): the previous step's scaling ratio per row of the projected
     # gradient's unprojected dimension, the learning rate of that step, and the (limited) norm of that step's
-    # scaled residual, for the growth limiter (NaN rate: no step observed yet; inf norm: no residual applied yet,
-    # nothing to limit against, as at Fira's first step).
+    # scaled residual, for the growth limiter (NaN rate: no step observed yet; inf norm: no step of this basis
+    # observed yet; the first observed step sets it to its projected update's norm, observe_update).
     galore_residual_ratio: torch.Tensor
     galore_residual_rate: torch.Tensor
     galore_residual_norm: torch.Tensor
@@ -180,6 +180,17 @@ class GaLoreLinear(GaLoreLayerBase):
         if self._residual_applied is not None:
             self.galore_residual_norm.copy_(self._residual_applied)
             self._residual_applied = None
+        else:
+            # No residual step since this basis: the first one may be as large as this step's projected update
+            # (norm scale * ||psi||: the basis is orthonormal), then grow by the limiter's factor per step. Fira
+            # leaves the first step unlimited, which is safe only while the rate is small (its warm-up): a layer
+            # that takes a basis at the full rate (a refresh, or a late staggered phase) would otherwise apply its
+            # whole outside-the-subspace gradient at the ratio of Adam's first, sign-like step, and every later
+            # limit would grow from that norm.
+            first = torch.linalg.vector_norm(update.to(torch.float32)).mul_(self.scale)
+            self.galore_residual_norm.copy_(
+                torch.where(torch.isinf(self.galore_residual_norm), first, self.galore_residual_norm)
+            )
         self._residual_ready = True
 
     def _residual_hook(self, dtype: torch.dtype) -> Optional[Callable[[torch.Tensor, torch.Tensor], None]]:
@@ -267,7 +278,8 @@ class GaLoreLinear(GaLoreLayerBase):
         del outside
         scaled = all_reduce_mean(scaled)
         norm = torch.linalg.vector_norm(scaled)
-        # c = min(1, room / norm), 0 once the room is spent; room = inf before the first residual step (no limit).
+        # c = min(1, room / norm), 0 once the room is spent; before the first residual step of a basis the room is
+        # the first projected update's norm (observe_update).
         applied = self._residual_applied
         room = self.galore_residual_norm * RESIDUAL_GROWTH_LIMIT
         if applied is not None:
