@@ -1,17 +1,20 @@
 """What rank_allocation='auto' costs per step: the calibration and an ordinary step, uniform rank vs auto.
 
     python benchmarks/rank_cost.py                 # quality.py's tiny Llama (hidden 128), rank 32, 8 x 128 tokens
+    python benchmarks/rank_cost.py --shape h1024 --rank 128 --batch 4 --seq-len 256 --schedules aligned --gap 3 --reps 2
     python benchmarks/rank_cost.py --quick         # tiny-h64, 2 x 16 tokens, 2 repetitions (tests/test_benchmarks_cli.py)
 
 The same model (one seed, random tokens) trains 2 x `gap` steps under ``galore_adamw`` (fp32 state, scale 0.25)
 with a uniform rank and with ``rank_allocation='auto'`` at that rank (budget: the uniform rank's factor values),
-for both refresh schedules: ``aligned`` (every layer calibrates at step 0: the calibration step) and
-``staggered`` (the default: the layers calibrate in phases over the first steps, as many layers a step as
-refresh_budget_mb of records allows, so the calibration is the window of those steps, summed). Under 'auto' a
-calibration sketches rank_max + oversampling columns instead of rank + oversampling (wider records: more
-staggered phases), keeps the singular values of that sketch and, once every layer has measured, allocates the
-ranks (one host sync); the layers take their ranks at their next refresh (step `gap` on), after which an
-ordinary step runs at the allocated ranks (the same total of factor values).
+for both refresh schedules (``--schedules``): ``aligned`` (every layer calibrates at step 0: the calibration step)
+and ``staggered`` (the default: the layers calibrate in phases over the first steps, as many layers a step as
+refresh_budget_mb of records and kept inputs allows, so the calibration is the window of those steps, summed;
+`gap` must exceed the phases, 16 at the default shape). Under 'auto' a calibration records a sketch of
+rank_max + oversampling columns instead of rank + oversampling, takes the spectrum from the whole sketch (the
+eigenvalues of its Gram matrix), computes the basis from its first rank + oversampling columns as a uniform
+calibration does and, once every layer has measured, allocates the ranks (one host sync); the layers take their
+ranks at their next refresh (step `gap` on), after which an ordinary step runs at the allocated ranks (the same
+total of factor values).
 
 CPU time of the calling thread (``time.thread_time``, torch on one thread) of forward + backward, optimizer.step
 and after_step, per step. Repetitions interleave the configurations (uniform, auto, uniform, auto, ...), each a
@@ -86,6 +89,11 @@ def summarize_run(run: dict[str, Any], gap: int) -> dict[str, float]:
     window = [s for s in steps if s["step"] < gap and s["refreshed"]]  # the calibration: every layer's first refresh
     ordinary = [s for s in steps if not s["due"] and not s["refreshed"]]
     before = [s["total"] for s in ordinary if window[-1]["step"] < s["step"] < gap]
+    if not before:
+        raise SystemExit(
+            f"the calibration fills steps 0..{gap - 1} (as many staggered phases as the gap): no ordinary step to "
+            "compare with; raise --gap above the number of phases"
+        )
     second = max(s["step"] for s in steps if s["refreshed"])
     after = [s["total"] for s in ordinary if s["step"] > second]
     calibration = sum(s["total"] for s in window)
@@ -136,10 +144,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="tiny-h128", choices=sorted(_models.SHAPES), help="a _models.SHAPES name")
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--gap", type=int, default=12, help="update_proj_gap (> the 7 staggered phases)")
+    parser.add_argument("--gap", type=int, default=24, help="update_proj_gap (> the 16 staggered phases)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions of each configuration (median)")
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=list(SCHEDULES),
+        choices=SCHEDULES,
+        help="refresh schedules to time (aligned alone: a large shape in fewer steps)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny-h64, rank 16, 2 x 16 tokens, 2 repetitions")
     parser.add_argument("--out", type=pathlib.Path, default=HERE.parent / "outputs" / "rank_cost")
     args = parser.parse_args(argv)
@@ -149,10 +164,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     import logging
 
     logging.getLogger("hf_galore_plugin").setLevel(logging.ERROR)  # the allocation's summary line, once a run
-    runs: dict[str, dict[str, list]] = {s: {c: [] for c in CONFIGS} for s in SCHEDULES}
-    ranks: dict[str, dict[str, list]] = {s: {} for s in SCHEDULES}
+    schedules = [s for s in SCHEDULES if s in args.schedules]
+    runs: dict[str, dict[str, list]] = {s: {c: [] for c in CONFIGS} for s in schedules}
+    ranks: dict[str, dict[str, list]] = {s: {} for s in schedules}
     for rep in range(args.reps + 1):  # repetition 0 warms up, untimed
-        for schedule in SCHEDULES:
+        for schedule in schedules:
             for config in CONFIGS:
                 run = run_once(args, config, schedule)
                 ranks[schedule][config] = run["ranks"]
@@ -161,7 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"repetition {rep}{' (warm-up)' if rep == 0 else ''} done", flush=True)
     medians = {
         s: {c: {k: statistics.median(r[k] for r in runs[s][c]) for k in runs[s][c][0]} for c in CONFIGS}
-        for s in SCHEDULES
+        for s in schedules
     }
     result = {
         "args": {k: v for k, v in vars(args).items() if k != "out"},

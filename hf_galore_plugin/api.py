@@ -558,6 +558,26 @@ def _spectrum(layer: GaLoreLinear) -> LayerSpectrum:
     )
 
 
+def _spectra(layers: list[tuple[str, GaLoreLinear]]) -> dict[str, LayerSpectrum]:
+    """:func:`_spectrum` of every measured adaptive layer of `layers`, their buffers read in one transfer (one
+    host sync, not two a layer)."""
+    measured = [(name, layer) for name, layer in layers if layer._adaptive is not None and layer._adaptive.measured]
+    if not measured:
+        return {}
+    device = measured[0][1].galore_spectrum.device
+    parts = [torch.cat((layer.galore_spectrum, layer.galore_spectrum_total.reshape(1))) for _, layer in measured]
+    flat = torch.cat([part.to(device) for part in parts]).tolist()
+    spectra: dict[str, LayerSpectrum] = {}
+    start = 0
+    for name, layer in measured:
+        state = layer._adaptive
+        assert state is not None
+        stop = start + layer.galore_spectrum.numel()
+        spectra[name] = LayerSpectrum(flat[start:stop], flat[stop], state.cost, state.low, state.high)
+        start = stop + 1
+    return spectra
+
+
 def rank_budget(layers: list[tuple[str, GaLoreLinear]]) -> int:
     """The factor values `layers` (the adaptive ones of a model) may hold together: GaLoreConfig.rank_budget, or
     the values of `rank` in every one of them."""
@@ -590,12 +610,12 @@ def _allocate_when_measured(layers: list[tuple[str, GaLoreLinear]]) -> bool:
         return True
     if any(layer.galore_spectrum.is_meta or is_fake(layer.galore_spectrum) for _, layer in adaptive):
         return True  # a traced step (the memory planner): no values to allocate from
-    spectra = {name: _spectrum(layer) for name, layer in adaptive}
+    spectra = _spectra(adaptive)
     budget = rank_budget(layers)
     ranks = allocate_ranks(spectra, budget)
     for name, layer in adaptive:
         layer_rank.set_target(layer, ranks[name])
-    report = rank_report(layers)
+    report = _rank_rows(layers, spectra)
     values = sorted(ranks.values())
     uniform = sum(row["share_at_start"] for row in report) / len(report)
     chosen = sum(row["share"] for row in report) / len(report)
@@ -614,12 +634,17 @@ def rank_report(model_or_layers: Any) -> list[dict[str, Any]]:
     share of its calibration gradient's energy the allocated and the starting ranks capture, and the factor
     values and bytes of the allocated rank. Empty before the spectra are measured (and without 'auto')."""
     layers = model_or_layers if isinstance(model_or_layers, list) else list(iter_galore_layers(model_or_layers))
+    return _rank_rows(layers, _spectra(layers))
+
+
+def _rank_rows(layers: list[tuple[str, GaLoreLinear]], spectra: dict[str, LayerSpectrum]) -> list[dict[str, Any]]:
+    """:func:`rank_report`'s rows from the measured layers' `spectra` (:func:`_spectra`)."""
     rows = []
     for index, (name, layer) in enumerate(layers):
         state = layer._adaptive
         if state is None or not state.measured:
             continue
-        spectrum = _spectrum(layer)
+        spectrum = spectra[name]
         rank = state.target or layer_rank.current_rank(layer)
         rows.append(
             {

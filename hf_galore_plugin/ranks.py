@@ -48,6 +48,8 @@ class LayerSpectrum:
     cost: int
     min_rank: int
     max_rank: int
+    # gain(i) for every i, computed once: the allocation and the report read each many times
+    _gains: list[float] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cost < 1:
@@ -59,18 +61,20 @@ class LayerSpectrum:
                 f"a spectrum of {len(self.energies)} values cannot rank up to {self.max_rank}: measure at least "
                 "max_rank singular values"
             )
+        total = float(self.total)
+        gains = [0.0] * len(self.energies)
+        if total > 0:  # a direction of negative, NaN or infinite energy adds nothing
+            gains = [value / total if 0.0 < value < math.inf else 0.0 for value in map(float, self.energies)]
+        object.__setattr__(self, "_gains", gains)
 
     def gain(self, rank: int) -> float:
         """The share of the layer's energy the `rank`-th direction adds (0 for a layer without a gradient)."""
-        value = float(self.energies[rank - 1])
-        if not self.total > 0 or not math.isfinite(value):
-            return 0.0
-        return max(value, 0.0) / self.total
+        return self._gains[rank - 1]
 
 
 def captured_share(spectrum: LayerSpectrum, rank: int) -> float:
     """The share of the layer's gradient energy its top-`rank` subspace captures (within [0, 1])."""
-    return min(1.0, sum(spectrum.gain(i) for i in range(1, rank + 1)))
+    return min(1.0, sum(spectrum._gains[:rank]))
 
 
 def allocate_ranks(layers: Mapping[str, LayerSpectrum], budget: int) -> dict[str, int]:

@@ -11,10 +11,13 @@ import os
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_galore_plugin as hgp
 from hf_galore_plugin import api
 from hf_galore_plugin.integrations.optim_args import parse_optim_args
+from hf_galore_plugin.layers import rank as layer_rank
+from hf_galore_plugin.projection import basis_from_sketch
 from hf_galore_plugin.ranks import LayerSpectrum, allocate_ranks, captured_share
 
 VOCAB, HIDDEN = 48, 64
@@ -150,6 +153,52 @@ def test_sketched_spectra_allocate_as_the_exact_ones():
     best = sum(captured_share(exact[n], r) for n, r in from_exact.items())
     assert captured >= best - 0.02 * len(layers)
     assert from_sketch == {name: layer._adaptive.target for name, layer in layers}
+
+
+class _Decompositions(TorchDispatchMode):
+    """Logs the input shape of every SVD and symmetric eigendecomposition dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("_linalg_svd", "_linalg_eigh", "linalg_eigvalsh"):
+            self.calls.append((name, tuple(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_calibration_spectrum_from_the_whole_sketch_and_basis_as_uniform(monkeypatch):
+    """Cost rule of an 'auto' calibration: its record is rank_max + oversampling wide (24 columns here) for the
+    spectrum, which comes from the eigenvalues of that sketch's 24 x 24 Gram matrix (oracle: svdvals of the
+    sketch); the basis comes from the first rank + oversampling (16) columns, by the same SVD of the same
+    width as a uniform calibration's, so no decomposition of the tall wide sketch runs."""
+    records = {}
+    measure = layer_rank.measure_spectrum
+
+    def keep(layer, record):
+        if layer._adaptive is not None:
+            records[id(layer)] = record[layer._adaptive.side].clone()
+        measure(layer, record)
+
+    monkeypatch.setattr(layer_rank, "measure_spectrum", keep)
+    calls = {}
+    for allocation in ("uniform", "auto"):
+        model, opt = _prepared(_config(rank_allocation=allocation))
+        with _Decompositions() as log:
+            _train(model, opt, 1)
+        calls[allocation] = log.calls
+    svds = [call for call in calls["auto"] if call[0] == "_linalg_svd"]
+    assert svds == calls["uniform"] == [("_linalg_svd", (64, 16))] * len(TARGETS)
+    assert [call for call in calls["auto"] if call not in svds] == [("_linalg_eigh", (24, 24))] * len(TARGETS)
+    for _, layer in hgp.galore_layers(model):
+        sketch = records[id(layer)]
+        assert sketch.shape == (64, 24)
+        expected = torch.linalg.svdvals(sketch).square() / 24
+        torch.testing.assert_close(layer.galore_spectrum, expected[:16], rtol=1e-4, atol=1e-6 * float(expected[0]))
+        torch.testing.assert_close(layer.galore_spectrum_total, sketch.square().sum() / 24, rtol=1e-5, atol=0)
+        torch.testing.assert_close(layer.basis("right"), basis_from_sketch(sketch[:, :16], rank=8), rtol=0, atol=1e-6)
 
 
 def test_allocation_respects_budget_and_bounds_and_is_taken_at_the_next_refresh():

@@ -81,7 +81,7 @@ def _refresh_experts(stack: ExpertRefreshTarget, optimizer: Optional[torch.optim
         if isinstance(record, dict):
             for expert in (e for e in range(stack.num_experts) if hit[e]):
                 for side, rank in sides:
-                    sketch = record[side][expert]
+                    sketch = _rank.basis_columns(stack, record[side][expert], rank)
                     basis = basis_from_sketch(sketch, rank=rank)
                     new[side][expert] = basis if fake else _complete(basis, _numerical_rank(sketch), old[side][expert])
         else:

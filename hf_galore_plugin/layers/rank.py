@@ -1,13 +1,16 @@
 """A layer's own rank under ``GaLoreConfig.rank_allocation='auto'`` (the allocation: :mod:`hf_galore_plugin.ranks`).
 
-A layer with one computed basis (the default ``proj_type='std'``) is *adaptive*: it starts at the config's
-rank, and its first refresh (the calibration) measures the spectrum of the recorded gradient, as many singular
-values as its largest allowed rank (``rank_max``, capped at its projected side minus one); so that the
-calibration sketch holds them, an adaptive layer sketches ``rank_max + oversampling`` columns until then. Once
-every adaptive layer of the model has its spectrum, the step driver allocates the ranks (``api.after_step``)
-and gives each layer its target; a layer takes it at its next refresh, which already folds the factor into W0:
-the factor and the basis take the new shape there (the optimizer's state of the factor restarts, as at a
-calibration), and the record of that refresh is sketched wide enough for the new rank.
+A layer with one computed basis (the default ``proj_type='std'``) is *adaptive*: it starts at the config's rank,
+and its first refresh (the calibration) measures the spectrum of the recorded gradient, as many singular values as
+its largest allowed rank (``rank_max``, capped at its projected side minus one); so that the calibration sketch
+holds them, an adaptive layer sketches ``rank_max + oversampling`` columns until then. The spectrum is taken from
+the whole sketch (the eigenvalues of its small Gram matrix), the calibration's basis from its first ``rank +
+oversampling`` columns, as a uniform layer's (:func:`basis_columns`), so that the wider record costs the recording
+and the spectrum, not a wider basis computation. Once every adaptive layer of the model has its spectrum, the step
+driver allocates the ranks (``api.after_step``) and gives each layer its target; a layer takes it at its next
+refresh, which already folds the factor into W0: the factor and the basis take the new shape there (the optimizer's
+state of the factor restarts, as at a calibration), and the record of that refresh is sketched wide enough for the
+new rank.
 
 An expert stack (:class:`~.experts.GaLoreExpertStack`, ``experts=True``) is adaptive the same way, with one rank
 shared by its E experts: its calibration sketches each expert's record ``rank_max + oversampling`` wide, and its
@@ -30,7 +33,7 @@ from typing import Any, Optional
 import torch
 from ..config import GaLoreConfig
 
-__all__ = ["AdaptiveRank", "init_adaptive", "measure_spectrum", "record_rank", "resize", "set_target"]
+__all__ = ["AdaptiveRank", "basis_columns", "init_adaptive", "measure_spectrum", "record_rank", "resize", "set_target"]
 
 
 class AdaptiveRank:
@@ -95,23 +98,40 @@ def measure_spectrum(layer: Any, record: Any) -> None:
         return
     if isinstance(record, dict):
         sketch = record[state.side].to(torch.float32)
-        k = sketch.shape[-1]
-        values = torch.linalg.svdvals(sketch).square() / k
-        total = sketch.square().sum() / k
+        scale = sketch.shape[-1]
+        # The squared singular values of the tall d x k sketch are the eigenvalues of its k x k Gram matrix:
+        # a small symmetric eigenproblem instead of an SVD of the sketch. Both err by ~eps x the largest
+        # energy, far below the shares of the energy the allocation compares; rounding can leave a vanishing
+        # eigenvalue slightly negative, hence the clamp. The Gram's trace is the sketch's whole energy.
+        gram = sketch.mT @ sketch
+        values = torch.linalg.eigvalsh(gram).flip(-1).clamp_min_(0)
+        total = gram.diagonal(dim1=-2, dim2=-1).sum()
     else:
         grad = record.to(torch.float32)
+        scale = 1
         values = torch.linalg.svdvals(grad).square()
         total = grad.square().sum()
     # An expert stack's record has the experts in front (E x ...): its spectrum is the experts' summed value by
     # value (each expert's sorted descending, so the sum is too), its total the whole stack's energy.
-    values = values.reshape(-1, values.shape[-1])
-    spectrum = torch.zeros(values.shape[0], state.high, dtype=torch.float32, device=values.device)
-    count = min(state.high, values.shape[-1])
-    spectrum[:, :count] = values[:, :count]
-    spectrum = spectrum.sum(0)
-    layer.galore_spectrum.copy_(spectrum)
-    layer.galore_spectrum_total.copy_(total)
+    if values.dim() > 1:
+        values = values.reshape(-1, values.shape[-1]).sum(0)
+    count = min(state.high, values.shape[0])
+    torch.div(values[:count], scale, out=layer.galore_spectrum[:count])
+    if count < state.high:
+        layer.galore_spectrum[count:].zero_()  # past the values measured (a record narrower than rank_max)
+    torch.div(total, scale, out=layer.galore_spectrum_total)
     state.measured = True
+
+
+def basis_columns(layer: Any, sketch: torch.Tensor, rank: int) -> torch.Tensor:
+    """The columns of a refresh's sketch (d x k, or E x d x k) from which the basis of rank `rank` is computed:
+    the first rank + oversampling, the width a uniform layer of that rank records. An adaptive layer's record
+    is wider where it serves more than this basis (the calibration's, for the spectrum; a refresh that lowers
+    the rank, recorded for the old one); the leading columns of a Gaussian sketch are a Gaussian sketch too,
+    so the basis costs and is as good as a uniform layer's. A fixed-rank layer's record is that width already."""
+    if layer.rank_state is None:
+        return sketch
+    return sketch[..., : min(rank + layer.config.oversampling, sketch.shape[-1])]
 
 
 def set_target(layer: Any, rank: int) -> None:

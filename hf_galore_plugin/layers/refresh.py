@@ -249,7 +249,8 @@ def _refresh(layer: RefreshTarget, optimizer: Optional[torch.optim.Optimizer]) -
         target = _rank.rank_to_adopt(layer)
         try:
             sketched = {
-                side: basis_from_sketch(reduced[side], rank=target or rank) for side, rank in layer.basis_sides()
+                side: basis_from_sketch(_rank.basis_columns(layer, reduced[side], target or rank), rank=target or rank)
+                for side, rank in layer.basis_sides()
             }
         except BasisError as exc:
             _basis_failed(layer, exc)
