@@ -59,7 +59,7 @@ import torch  # noqa: E402
 METHODS = (
     "adamw", "adamw_galore_rates", "bnb_adamw8bit", "galore_torch", "transformers_galore",
     "galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit", "lora_r8", "lora_matched", "qlora_nf4",
-    "galore_adamw_auto", "galore_adamw_8bit_auto", "qgalore_adamw_8bit_auto",
+    "galore_adamw_auto", "galore_adamw_8bit_auto", "qgalore_adamw_8bit_auto", "galore_adamw_residual_auto",
     "galore_adamw_rank_auto", "galore_adamw_rank_auto_075",
 )  # fmt: skip
 
@@ -71,7 +71,8 @@ METHODS = (
 #   rest at lr), so its documented lr is GaLore's.
 # - <preset>_auto: our preset as a user switching from AdamW runs it: scale='auto' (each layer's
 #   sqrt(projected side / rank)), lr_scale 0.85 on the GaLore groups as the Trainer applies it, and AdamW's
-#   documented rate, which the drop-in rule says carries over unchanged.
+#   documented rate, which the drop-in rule says carries over unchanged. galore_adamw_residual_auto is
+#   galore_adamw_auto with residual=True (Fira's residual: the gradient outside the subspace applied to W0).
 # - LoRA, QLoRA: 1e-3. Neither paper documents a rate for pre-training from scratch; this is the
 #   full-rank rate, which the GaLore paper's low-rank baselines start from. The sweep covers 3e-3.
 # - galore_adamw_rank_auto*, galore_adamw_r<R>: galore_adamw's (dynamic rank below).
@@ -80,7 +81,10 @@ DOCUMENTED_LR = {
     "galore_adamw": 1e-2, "galore_adamw_8bit": 1e-2, "qgalore_adamw_8bit": 1e-2,
     "lora_r8": 1e-3, "lora_matched": 1e-3, "qlora_nf4": 1e-3,
     "galore_adamw_auto": 1e-3, "galore_adamw_8bit_auto": 1e-3, "qgalore_adamw_8bit_auto": 1e-3,
+    "galore_adamw_residual_auto": 1e-3,
 }  # fmt: skip
+# `<preset>_auto` names whose preset is a preset with GaLoreConfig fields changed.
+AUTO_VARIANTS = {"galore_adamw_residual": ("galore_adamw", {"residual": True})}
 AUTO_SUFFIX = "_auto"
 # Experts projected: `<preset>_experts_r<R>` is the preset with experts=True, expert_rank=R (MoE sizes).
 EXPERT_PRESETS = ("galore_adamw", "galore_adamw_8bit", "qgalore_adamw_8bit")
@@ -264,7 +268,8 @@ def resolve_method(method: str) -> tuple[str, dict[str, Any]]:
     if method == EXPERT_CONTROL or is_rank_variant(method):
         return "galore_adamw", {}
     if scale_auto(method):
-        return method[: -len(AUTO_SUFFIX)], {}
+        preset = method[: -len(AUTO_SUFFIX)]
+        return AUTO_VARIANTS.get(preset, (preset, {}))
     match = re.fullmatch(r"(.+)_experts_r(\d+)", method)
     if match is None:
         return method, {}
@@ -641,7 +646,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.methods is None:
         args.methods = list(MOE_METHODS if moe else METHODS)
     _common.check_grid_arguments(parser, args, methods=ALL_METHODS, seeds=SEEDS)
-    if not moe and any(resolve_method(m)[1] for m in args.methods):
+    if not moe and any("experts" in resolve_method(m)[1] for m in args.methods):
         parser.error(f"--methods: the *_experts_r* methods project a mixture of experts' experts; size {args.size!r} "
                      f"is a Llama without experts: use --size tiny-moe (or quick-moe)")  # fmt: skip
     args.config = SIZES[args.size] if args.steps is None else dataclasses.replace(SIZES[args.size], steps=args.steps)
