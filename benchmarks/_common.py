@@ -297,16 +297,25 @@ def plot_curves(curves: dict[str, list[float]], markers: dict[str, float], path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for method, losses in curves.items():
+    # More curves than the default colour cycle tells apart: 20 colours, then dashed and dotted, and the legend
+    # beside the axes (two columns past 18 entries) instead of over the curves.
+    many = len(curves) > 10
+    columns = 2 if len(curves) > 18 else 1
+    fig, ax = plt.subplots(figsize=(8 + 3.2 * columns if many else 8, 5.5 if many else 5))
+    colors = plt.get_cmap("tab20").colors
+    for index, (method, losses) in enumerate(curves.items()):
         steps = list(range(1, len(losses) + 1))
-        line = ax.plot(steps, ema(losses), label=f"{method} ({markers[method]:.3f})", linewidth=1.2)[0]
+        style = {"color": colors[index % 20], "linestyle": ("-", "--", ":")[index // 20 % 3]} if many else {}
+        line = ax.plot(steps, ema(losses), label=f"{method} ({markers[method]:.3f})", linewidth=1.2, **style)[0]
         ax.scatter([steps[-1]], [markers[method]], marker="x", color=line.get_color())
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if many:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=columns, frameon=False)
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
