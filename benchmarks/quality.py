@@ -263,8 +263,9 @@ def scale_auto(method: str) -> bool:
 
 def resolve_method(method: str) -> tuple[str, dict[str, Any]]:
     """(the _common method that trains `method`, its GaLoreConfig overrides): `<preset>_experts_r<R>` is
-    `<preset>` with experts=True, expert_rank=R; `<preset>_auto` is `<preset>` (at scale "auto"); every other
-    name is itself without overrides."""
+    `<preset>` with experts=True, expert_rank=R; `<preset>_auto` is `<preset>` (at scale "auto"), an
+    AUTO_VARIANTS name its preset with the fields it sets (residual=True); every other name is itself without
+    overrides."""
     if method == EXPERT_CONTROL or is_rank_variant(method):
         return "galore_adamw", {}
     if scale_auto(method):
@@ -283,13 +284,13 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(job["device"])
     data = load_data(job["data"])
     model = build_model(size, data["vocab_size"], job["seed"], device)
-    method, expert_overrides = resolve_method(job["method"])
+    method, method_overrides = resolve_method(job["method"])
     rank_overrides = rank_fields(job["method"], size.rank) or {}
     galore_rank = rank_overrides.pop("rank", size.rank)
     setup = _common.MethodSetup(
         targets_regex=TARGETS, extra_trainable=EXTRA_TRAINABLE, galore_rank=galore_rank, galore_gap=size.gap,
         galore_scale="auto" if scale_auto(job["method"]) else GALORE_SCALE, lora_rank=8, lora_matched_rank=_common.matched_lora_rank(model, TARGETS, size.rank),
-        galore_overrides=tuple(sorted({**job.get("galore_overrides", {}), **expert_overrides, **rank_overrides}.items())),
+        galore_overrides=tuple(sorted({**job.get("galore_overrides", {}), **method_overrides, **rank_overrides}.items())),
         # The control: the plain expert parameters (named ...mlp.experts.gate_up_proj / down_proj) at lr x scale.
         **({"head_regex": r"\.experts\.", "head_lr": job["lr"] * GALORE_SCALE} if job["method"] == EXPERT_CONTROL else {}),
     )  # fmt: skip
@@ -340,7 +341,11 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "lr": job["lr"],
         "seed": job["seed"],
         "note": _common.method_note(method, setup)
-        + (", experts unprojected" if size.moe and method in _common.OURS and not expert_overrides else "")
+        + (
+            ", experts unprojected"
+            if size.moe and method in _common.OURS and "expert_rank" not in method_overrides
+            else ""
+        )
         + (f" at lr x {GALORE_SCALE}" if job["method"] == EXPERT_CONTROL else ""),
         "trainable_params": sum(p.numel() for p in trainable),
         "train_losses": losses,
@@ -455,7 +460,7 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         gap = rel("qgalore_adamw_8bit", "adamw")
         checks.append({"target": "qgalore_adamw_8bit within 2% of AdamW (held-out loss)",
                        "measured": f"{gap:+.2%}", "met": gap <= 0.02})  # fmt: skip
-    for method in (m for m in by if resolve_method(m)[1]):
+    for method in (m for m in by if "expert_rank" in resolve_method(m)[1]):
         preset, overrides = resolve_method(method)
         if preset in by:
             gap = rel(method, preset)
@@ -574,7 +579,7 @@ def expert_rank_choice(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ranks = sorted(
             (resolve_method(m)[1]["expert_rank"], m)
             for m in by
-            if resolve_method(m)[0] == preset and resolve_method(m)[1]
+            if resolve_method(m)[0] == preset and "expert_rank" in resolve_method(m)[1]
         )
         if not ranks:
             continue
@@ -646,7 +651,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.methods is None:
         args.methods = list(MOE_METHODS if moe else METHODS)
     _common.check_grid_arguments(parser, args, methods=ALL_METHODS, seeds=SEEDS)
-    if not moe and any("experts" in resolve_method(m)[1] for m in args.methods):
+    if not moe and any("expert_rank" in resolve_method(m)[1] for m in args.methods):
         parser.error(f"--methods: the *_experts_r* methods project a mixture of experts' experts; size {args.size!r} "
                      f"is a Llama without experts: use --size tiny-moe (or quick-moe)")  # fmt: skip
     args.config = SIZES[args.size] if args.steps is None else dataclasses.replace(SIZES[args.size], steps=args.steps)
