@@ -22,6 +22,7 @@ except ImportError:  # torch built without distributed support
 
 __all__ = [
     "all_reduce_mean",
+    "check_matrix_layout",
     "from_local",
     "full_tensor",
     "gather_rows",
@@ -151,6 +152,26 @@ def rows_sharded(t: torch.Tensor) -> bool:
     return is_dtensor(t) and all(
         isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in t.placements
     )
+
+
+def check_matrix_layout(param: torch.Tensor, *, optimizer: str, needs: str, preset: str) -> None:
+    """Raise ``RuntimeError`` when `param` reaches `optimizer`'s step in a layout without whole rows and columns
+    to work on: a DTensor sharded on another dimension than its rows, or an engine's 1-D flat partition
+    (FSDP1, DeepSpeed ZeRO). `needs`: what the optimizer computes over the matrix; `preset`: the optimizer name
+    a user chose (galore_muon, galore_adafactor)."""
+    if is_dtensor(param):
+        if rows_sharded(param):
+            return
+        raise RuntimeError(
+            f"{optimizer}: a parameter it steps as a matrix is a DTensor placed {tuple(param.placements)}: a shard of "
+            "another dimension than the rows holds parts of every row. Shard it on dimension 0 (FSDP2's default)."
+        )
+    if param.dim() < 2 or hasattr(param, "ds_id"):
+        raise RuntimeError(
+            f"{optimizer}: a parameter it steps as a matrix reaches the step as a flat partition of shape "
+            f"{tuple(param.shape)}: {needs}. {preset} runs in one process, under DDP and under FSDP2; FSDP1 and "
+            "DeepSpeed ZeRO are not supported (use galore_adamw there)."
+        )
 
 
 def local_rows(t: torch.Tensor) -> tuple[int, int]:

@@ -51,7 +51,13 @@ from typing import Any, Optional
 import torch
 
 from hf_galore_plugin.engines.basis import LINEAR, SQUARED, BasisChange
-from hf_galore_plugin.engines.collectives import is_dtensor, local_shard, placed_like, rows_sharded, sum_over_shards
+from hf_galore_plugin.engines.collectives import (
+    check_matrix_layout,
+    is_dtensor,
+    local_shard,
+    placed_like,
+    sum_over_shards,
+)
 
 __all__ = ["Adafactor", "ADAFACTOR_STATE_KEYS"]
 
@@ -129,19 +135,10 @@ def _check_group(group: dict[str, Any]) -> None:
 
 
 def _refuse_partitioned(param: torch.Tensor, group: dict[str, Any]) -> None:
-    if is_dtensor(param):
-        if rows_sharded(param):
-            return
-        raise RuntimeError(
-            f"Adafactor: a parameter is a DTensor placed {tuple(param.placements)}: a shard of another "
-            "dimension than the rows holds parts of every row. Shard it on dimension 0 (FSDP2's default)."
-        )
-    if param.dim() < 2 or hasattr(param, "ds_id"):
-        raise RuntimeError(
-            f"Adafactor: a GaLore factor reaches the step as a flat partition of shape {tuple(param.shape)}: its "
-            "factored second moment needs the rows and columns of the matrix. GaLore with Adafactor runs in one "
-            "process, under DDP and under FSDP2; FSDP1 and DeepSpeed ZeRO are not supported (use galore_adamw there)."
-        )
+    check_matrix_layout(
+        param, optimizer="Adafactor", needs="its factored second moment needs the rows and columns of the matrix",
+        preset="galore_adafactor",
+    )  # fmt: skip
 
 
 class Adafactor(torch.optim.Optimizer):

@@ -53,7 +53,7 @@ from typing import Any, Optional
 import torch
 
 from hf_galore_plugin.engines.basis import LINEAR, BasisChange
-from hf_galore_plugin.engines.collectives import gather_rows, is_dtensor, local_rows, local_shard, rows_sharded
+from hf_galore_plugin.engines.collectives import check_matrix_layout, gather_rows, is_dtensor, local_rows, local_shard
 from hf_galore_plugin.optim.functional import adamw_step_fp32
 
 __all__ = ["Muon", "MUON_STATE_KEYS", "NS_COEFFICIENTS", "newton_schulz", "rms_matching_factor"]
@@ -142,19 +142,7 @@ def _uses_muon(group: dict[str, Any]) -> bool:
 
 
 def _refuse_partitioned(param: torch.Tensor) -> None:
-    if is_dtensor(param):
-        if rows_sharded(param):
-            return
-        raise RuntimeError(
-            f"Muon: a parameter it orthogonalises is a DTensor placed {tuple(param.placements)}: a shard of another "
-            "dimension than the rows holds parts of every row. Shard it on dimension 0 (FSDP2's default)."
-        )
-    if param.dim() < 2 or hasattr(param, "ds_id"):
-        raise RuntimeError(
-            f"Muon: a parameter it orthogonalises reaches the step as a flat partition of shape {tuple(param.shape)}: "
-            "Newton-Schulz needs the whole matrix. GaLore with Muon runs in one process, under DDP and under FSDP2; "
-            "FSDP1 and DeepSpeed ZeRO are not supported (use galore_adamw there)."
-        )
+    check_matrix_layout(param, optimizer="Muon", needs="Newton-Schulz needs the whole matrix", preset="galore_muon")
 
 
 def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
