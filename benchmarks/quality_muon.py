@@ -37,11 +37,16 @@ import _models  # noqa: E402
 import quality  # noqa: E402
 import torch  # noqa: E402
 
-METHODS = ("galore_adamw", "galore_muon", "muon")
+METHODS = ("galore_adamw", "galore_muon", "muon", "galore_adamw_auto", "galore_muon_auto")
 # Rates of the grid per method: galore_adamw's and galore_muon's around quality.py's GaLore rate at scale 0.25
 # (1e-2; galore_adamw's best there is 3e-2), Muon's around AdamW's (1e-3; AdamW's best there is 3e-3): Muon's
 # update is RMS-matched to AdamW's.
-LRS = {"galore_adamw": (0.01, 0.03, 0.1), "galore_muon": (0.01, 0.03, 0.1), "muon": (0.001, 0.003, 0.01)}
+# `<name>_auto`: the preset as a user switching from AdamW runs it (quality.py's `_auto` rows: scale 'auto', the
+# Trainer's lr_scale), around AdamW's rates.
+LRS = {
+    "galore_adamw": (0.01, 0.03, 0.1), "galore_muon": (0.01, 0.03, 0.1), "muon": (0.001, 0.003, 0.01),
+    "galore_adamw_auto": (0.001, 0.003, 0.01), "galore_muon_auto": (0.001, 0.003, 0.01),
+}  # fmt: skip
 SEEDS = (0, 1, 2)
 # Filled by _target_state_bytes at a run's last step (the run's own process).
 _TARGET_STATE: dict[str, int] = {}
@@ -120,6 +125,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "muon": "torch.optim.Muon (match_rms_adamw) on the targets, AdamW on the rest",
         "galore_muon": f"rank {job['size']['rank']}, gap {job['size']['gap']}, scale {quality.GALORE_SCALE}",
         "galore_adamw": f"rank {job['size']['rank']}, gap {job['size']['gap']}, scale {quality.GALORE_SCALE}",
+        "galore_adamw_auto": f"rank {job['size']['rank']}, gap {job['size']['gap']}, scale auto, lr_scale 0.85",
+        "galore_muon_auto": f"rank {job['size']['rank']}, gap {job['size']['gap']}, scale auto, lr_scale 0.85",
     }[job["method"]]
     return result
 
