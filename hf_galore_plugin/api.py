@@ -546,21 +546,9 @@ class _Driver:
         self.next_due, self.edits = soonest, clock.edits
 
 
-def _spectrum(layer: GaLoreLinear) -> LayerSpectrum:
-    state = layer._adaptive
-    assert state is not None
-    return LayerSpectrum(
-        energies=layer.galore_spectrum.tolist(),
-        total=float(layer.galore_spectrum_total),
-        cost=state.cost,
-        min_rank=state.low,
-        max_rank=state.high,
-    )
-
-
 def _spectra(layers: list[tuple[str, GaLoreLinear]]) -> dict[str, LayerSpectrum]:
-    """:func:`_spectrum` of every measured adaptive layer of `layers`, their buffers read in one transfer (one
-    host sync, not two a layer)."""
+    """The spectrum (:class:`LayerSpectrum`) of every measured adaptive layer of `layers`, their buffers read in
+    one transfer (one host sync, not two a layer)."""
     measured = [(name, layer) for name, layer in layers if layer._adaptive is not None and layer._adaptive.measured]
     if not measured:
         return {}

@@ -143,7 +143,7 @@ def test_sketched_spectra_allocate_as_the_exact_ones():
         exact[name] = LayerSpectrum(
             values[: state.high].tolist(), float(values.sum()), state.cost, state.low, state.high
         )
-        sketched[name] = api._spectrum(layer)
+        sketched[name] = api._spectra([(name, layer)])[name]
         # the sketch's whole energy is an unbiased estimate of the gradient's (E ||G^T Omega||^2 = k ||G||^2)
         assert abs(sketched[name].total / exact[name].total - 1) < 0.35, name
     budget = api.rank_budget(layers)

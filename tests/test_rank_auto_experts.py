@@ -97,7 +97,7 @@ def test_stacks_share_the_budget_at_their_cost_and_within_their_bounds():
         assert (state.low, state.high) == (1, min(8, state.dim - 1)), "bounds from expert_rank=4: 4 // 4, 2 * 4"
         assert stack.galore_factor.shape[-1 if state.side == "right" else -2] == 4
     _train(model, opt, 1)  # calibration: every layer and stack measures, the driver allocates
-    spectra = {name: api._spectrum(layer) for name, layer in layers}
+    spectra = api._spectra(layers)
     targets = {name: layer.rank_state.target for name, layer in layers}
     assert targets == allocate_ranks(spectra, uniform), "the stacks are allocated with the linear layers"
     assert sum(layer.rank_state.cost * targets[name] for name, layer in layers) <= uniform
