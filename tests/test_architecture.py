@@ -92,7 +92,8 @@ LAYERS_MODULES: dict[str, set[str]] = {
     "base": {"weights", "counters", "function", "schedule", "rank", "refresh", "config"},
     "linear": {"base", "weights", "counters", "storage", "function", "rank", "config", "engines", "projection"},
     "expert_refresh": {"refresh", "rank", "engines", "projection"},
-    "experts": {"base", "linear", "expert_refresh", "refresh", "rank", "storage", "function", "config", "engines"},
+    "grouped": {"function"},
+    "experts": {"base", "linear", "expert_refresh", "grouped", "refresh", "rank", "storage", "config", "engines"},
     "": {"storage", "function", "schedule", "refresh", "linear"},
 }
 # The modules of the `integrations` package, each with the modules of the package it may import (by their

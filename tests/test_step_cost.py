@@ -66,6 +66,37 @@ def test_ordinary_step_makes_no_device_sync_with_a_large_vocabulary(preset):
     assert count.syncs == 0, count.names
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_moe_ordinary_step_makes_no_device_sync(preset, monkeypatch):
+    """The same with MoE expert stacks (GaLoreExperts, experts=True): the expert dispatch sizes its grouped GEMMs
+    by a tensor of offsets, so no routed count is read to the host, forward or backward. ``Tensor.tolist`` is
+    counted too: on the CPU it reads memory without dispatching an op (on a GPU it is a copy and a sync)."""
+    tolist = torch.Tensor.tolist
+    reads: list[tuple[int, ...]] = []
+
+    def counted_tolist(self):
+        reads.append(tuple(self.shape))
+        return tolist(self)
+
+    from test_experts import qwen3_moe
+
+    model = qwen3_moe(0)
+    config = hgp.GaLoreConfig.preset(preset, rank=16, expert_rank=8, update_proj_gap=1000, experts=True)
+    hgp.prepare_model(model, config)
+    optimizer = hgp.create_optimizer(model, lr=1e-3)
+    tokens = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+    step = _stepper(model, optimizer, tokens, lambda: hgp.after_step(model, optimizer))
+    step()  # the first forward packs the staggered phases
+    layers = [layer for _, layer in hgp.galore_layers(model)]
+    while not all(layer.calibrated and not layer.refresh_due for layer in layers):
+        step()
+    step()  # the step that recreates the optimizer state a calibration reset
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    with OpCount() as count:
+        step()
+    assert count.syncs == 0 and reads == [], (count.names, reads)
+
+
 # Ops per GaLore layer per ordinary step beyond nn.Linear's (issue 26's target: 8). The quantized preset's
 # reads are one Triton kernel each on a GPU; on the CPU the INT4 basis read is three torch ops (byte to
 # index, table lookup, multiply), two more than the kernel (docs/benchmarks/step-time.md).

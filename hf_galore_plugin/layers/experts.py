@@ -16,34 +16,34 @@ driver, checkpoints, weight decay and the planner treat it as one more layer).
 :class:`GaLoreExperts` replaces the ``*Experts`` module and keeps its forward signature
 ``(hidden_states, top_k_index, top_k_weights)``, so the model's sparse-MoE block and router are untouched.
 
-Forward and backward: the (token, expert) pairs are sorted by expert once per block; each expert that
-received tokens runs :func:`~.function.galore_linear` on its rows (the linear layer's own per-step
-code, so the expert's output, gradient and update equal a ``GaLoreLinear`` with the same W0 and basis),
-and the factor enters the graph through one ``unbind``, whose backward stacks the experts' factor
-gradients into one E x (factor) tensor. No expert's m x n weight gradient is formed on a normal step.
+Forward and backward (:mod:`.grouped`): the (token, expert) pairs are sorted by expert once per block and
+each projection is a few grouped GEMMs over all the rows, sized by a tensor of offsets (the rows of each
+expert, cumulated), never by host ints: no step reads a routed count to the host, and a compiled model
+traces the dispatch into its graph. Each expert's rows get the arithmetic of a ``GaLoreLinear`` with the same
+W0 and basis (bit for bit on the CPU where W0's multiplier is 1), and the factor's gradient is one grouped
+GEMM into E x (factor). No expert's m x n weight gradient is formed on a normal step.
 
 Refresh (:mod:`.expert_refresh`): a refresh step records, per expert, the gradient (or sketch) of the tokens
-routed to it, and how many tokens it received. Each expert that received tokens gets a new basis from its own
-record; an expert that received none in the recorded step keeps its basis (the refresh log says how many).
+routed to it (one grouped GEMM over the rows), and how many tokens it received. Each expert that received
+tokens gets a new basis from its own record; an expert that received none in the recorded step keeps its
+basis (the refresh log says how many).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from ..config import GaLoreConfig
 from ..engines.collectives import full_tensor, local_rows, local_shard, same_layout
 from ..engines.contract import param_changed as _param_changed
 from . import expert_refresh as _expert_refresh
+from . import grouped as _grouped
 from . import rank as _rank_mod
 from . import refresh as _refresh_mod
 from .base import GaLoreLayerBase
-from .function import galore_linear
 from .linear import GaLoreLinear
 from .storage import stochastic_round_to_bf16
 
@@ -148,55 +148,43 @@ class GaLoreExpertStack(GaLoreLinear):
         self.refresh_tokens = None
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, counts: Optional[list[int]] = None) -> torch.Tensor:
-        """The outputs of rows `x` (N x n) sorted by expert, `counts[e]` rows for expert e (sum N). `counts` is
-        required; its default only lets the signature extend :meth:`GaLoreLinear.forward`'s."""
-        if counts is None:
-            raise TypeError("GaLoreExpertStack.forward needs `counts`, the rows of `x` of each expert")
-        if len(counts) != self.num_experts:
-            raise ValueError(f"counts has {len(counts)} entries for {self.num_experts} experts")
+    def forward(
+        self, x: torch.Tensor, counts: Optional[list[int]] = None, *, offsets: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """The outputs of rows `x` (N x n) sorted by expert: `counts[e]` rows for expert e (a list of ints), or
+        `offsets`, their int32 cumulative sums as a tensor (what :class:`GaLoreExperts` passes: no host ints).
+        Rows past the last offset belong to no expert: their outputs are unspecified. One is required; the
+        defaults only let the signature extend :meth:`GaLoreLinear.forward`'s."""
+        if offsets is None:
+            if counts is None:
+                raise TypeError("GaLoreExpertStack.forward needs `counts` or `offsets`, the rows of `x` of each expert")
+            if len(counts) != self.num_experts:
+                raise ValueError(f"counts has {len(counts)} entries for {self.num_experts} experts")
+            offsets = _grouped.offsets_of(counts, x.device)
         device_type = x.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         p, q = self._step_bases(dtype)
-        factors = self.galore_factor.unbind(0)
-        weight = self.weight
         # Compiled: W0's multiplier as a tensor and the record through the record ops (as GaLoreLinear.forward).
         compiling = torch.compiler.is_compiling()
         alpha: float | torch.Tensor = self.base_multiplier if compiling else self._alpha
         if not compiling and self.pending_phase_packing is not None and self.training:
             # the model's first training forward: packed before any record, at this stack's rows per token
             self.pending_phase_packing.pack(x, rows_per_token=self.rows_per_token)
-        record = not compiling and self.refresh_due
-        traced = compiling and self.compiled_record
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = x[start : start + count]
-            start += count
-            outputs.append(
-                galore_linear(
-                    rows,
-                    factors[expert],
-                    None,
-                    None if weight is None else weight[expert],
-                    functools.partial(self._expert_weight, expert),
-                    None if p is None else p[expert],
-                    None if q is None else q[expert],
-                    alpha,
-                    self._branch_scale,
-                    functools.partial(self._record_expert, expert) if record else None,
-                    traced_record=(self.recorder_id, expert) if traced else None,
-                )
-            )
-        if not outputs:
-            return x.new_zeros(0, self.out_features)
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-
-    def _expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        store = self._weight_store
-        assert store is not None, "read for a W0 stored quantized (the parameter `weight` is None)"
-        return store.value_slice(expert, dtype)
+        record = self._record_grouped if not compiling and self.refresh_due else None
+        return _grouped.grouped_galore(
+            x,
+            offsets,
+            self.galore_factor,
+            self.weight,
+            self._weight_value,
+            p,
+            q,
+            alpha,
+            self._branch_scale,
+            dtype,
+            record,
+            traced_record=self.recorder_id if compiling and self.compiled_record else None,
+        )
 
     def expert_weight(self, expert: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Expert `expert`'s effective weight alpha * W0_e + scale * lowrank(B_e) (m x n, fp32 by default)."""
@@ -204,37 +192,38 @@ class GaLoreExpertStack(GaLoreLinear):
 
     # ------------------------------------------------------------------ refresh records
     def observe_traced_input(self, part: int, x: torch.Tensor) -> None:
-        """A compiled stack's record tap sees one expert's rows, which do not give the forward's tokens: the
-        phases are packed by a linear layer's tap, or by :meth:`forward` (which GaLoreExperts runs eagerly)."""
+        """The compiled forward's record tap (grouped.grouped_record_tap) on a record step: the phases waiting
+        for the first training forward are packed here, with this stack's rows, before any layer records."""
+        if self.pending_phase_packing is not None and self.training:
+            self.pending_phase_packing.pack(x, rows_per_token=self.rows_per_token)
 
-    def record_traced(self, part: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+    def record_traced_grouped(self, dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> None:
+        """The compiled forward's record (grouped.grouped_record_gradient): record if this stack is due."""
         if self.refresh_due:
-            self._record_expert(part, dy, x)
+            self._record_grouped(dy, x, offsets)
 
-    def _record_expert(self, expert: int, dy: torch.Tensor, x: torch.Tensor) -> None:
-        """Add the gradient (or sketches) of expert `expert`'s rows of this micro-batch to the record."""
+    def _record_grouped(self, dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Add the gradient (or sketches) of each expert's rows of this micro-batch to the record, and the rows
+        each received to ``refresh_tokens``: grouped GEMMs over the rows (no count read to the host)."""
         device = dy.device
-        if self.refresh_tokens is None:
-            self.refresh_tokens = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
-        self.refresh_tokens[expert] += dy.shape[0]
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).to(torch.float32)
+        self.refresh_tokens = counts if self.refresh_tokens is None else self.refresh_tokens + counts
         dy32, x32 = dy.to(torch.float32), x.to(torch.float32)
+        gmm_t = _grouped.grouped_mm_t
         if self.config.basis_method != "sketch":
-            grad = self._pending_grad
-            if grad is None:
-                shape = (self.num_experts, self.out_features, self.in_features)
-                grad = self._pending_grad = torch.zeros(shape, dtype=torch.float32, device=device)
-            assert isinstance(grad, torch.Tensor), "a dense record is one tensor"
-            grad[expert].addmm_(dy32.mT, x32)
+            grad = gmm_t(dy32.mT, x32, offsets)  # E x m x n
+            pending = self._pending_grad
+            if pending is not None:
+                assert isinstance(pending, torch.Tensor), "a dense record is one tensor"
+                grad = pending.add_(grad)
+            self._pending_grad = grad
             return
         record = self._pending_grad if isinstance(self._pending_grad, dict) else {}
         for side, _ in self.basis_sides():
             # One test matrix per side for all experts of the stack (drawn from the layer's seed and step).
             omega = self.sketch_test_matrix(side, device)
-            if side not in record:
-                dim = self.out_features if side == "left" else self.in_features
-                record[side] = torch.zeros(self.num_experts, dim, omega.shape[1], dtype=torch.float32, device=device)
-            sketch = dy32.mT @ (x32 @ omega) if side == "left" else x32.mT @ (dy32 @ omega)
-            record[side][expert] += sketch
+            sketch = gmm_t(dy32.mT, x32 @ omega, offsets) if side == "left" else gmm_t(x32.mT, dy32 @ omega, offsets)
+            record[side] = sketch if side not in record else record[side].add_(sketch)
         self._pending_grad = record
 
     def refresh_record_nbytes(self) -> int:
@@ -315,12 +304,6 @@ class GaLoreExpertStack(GaLoreLinear):
         return nbytes
 
 
-def _even_split(total: int, parts: int) -> list[int]:
-    """`total` items over `parts` parts, as evenly as they go (the first ones one more)."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
 class GaLoreExperts(nn.Module):
     """Stands in for a transformers ``*Experts`` module (gated: ``gate_up_proj`` then ``down_proj``) whose
     expert weights are trained by GaLore: one :class:`GaLoreExpertStack` per projection, under the
@@ -351,10 +334,6 @@ class GaLoreExperts(nn.Module):
             experts._parameters[name] = None
         object.__setattr__(self, "stock", experts)
 
-    # Compiled models run the dispatch eagerly: the rows per expert are data (host ints the per-expert GEMMs
-    # are sized by), which a graph would specialise on and recompile for at every step until Dynamo's limit.
-    # Outside the graph, the rest of the model stays compiled, with a break at each MoE layer and no recompiles.
-    @torch.compiler.disable(reason="GaLore expert dispatch: rows per expert are data-dependent host ints")
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -363,23 +342,23 @@ class GaLoreExperts(nn.Module):
         flat = top_k_index.reshape(-1)
         with torch.no_grad():
             # (token, expert) pairs sorted by expert (stable: tokens in order within an expert); an index of
-            # num_experts or more (a slot routed to no local expert) sorts last and is dropped.
-            order = torch.argsort(flat, stable=True)
-            if is_fake(flat):
-                # Shapes only (the memory planner): routing is data, so the pairs are taken as spread evenly
-                # over the experts; the branch's tensors hold the same N * top_k rows in all.
-                counts = _even_split(flat.numel(), num_experts)
-            else:
-                counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
-            used = sum(counts)
-            order = order[:used]
+            # num_experts or more (a slot routed to no local expert) sorts last, past the last offset.
+            experts, order = torch.sort(flat, stable=True)
+            bounds = torch.arange(1, num_experts + 1, device=flat.device, dtype=experts.dtype)
+            offsets = torch.searchsorted(experts, bounds, out_int32=True)  # rows of experts 0..e, cumulated
             tokens = order // top_k
-        rows = hidden_states[tokens]
-        self.gate_up_proj.rows_per_token = self.down_proj.rows_per_token = top_k  # the routing in force
-        hidden = self.gate_up_proj(rows, counts)
+            routed = (experts < num_experts).unsqueeze(-1)
+        # The rows of unrouted slots: zeros in, and their outputs (which the grouped GEMMs leave unwritten, any
+        # value) and, in the backward, their input gradients (idem) dropped by the two `where`s, the output's
+        # before the routing weights multiply it (a weight's gradient would read the unwritten rows).
+        rows = torch.where(routed, hidden_states[tokens], 0.0)
+        for stack in (self.gate_up_proj, self.down_proj):
+            if stack.rows_per_token != top_k:
+                stack.rows_per_token = top_k  # the routing in force
+        hidden = self.gate_up_proj(rows, offsets=offsets)
         hidden = self._gate(hidden)
-        out = self.down_proj(hidden, counts)
-        out = out * top_k_weights.reshape(-1)[order, None]
+        out = self.down_proj(hidden, offsets=offsets)
+        out = torch.where(routed, out, 0.0) * top_k_weights.reshape(-1)[order, None]
         final = torch.zeros_like(hidden_states)
         final.index_add_(0, tokens, out.to(final.dtype))
         return final

@@ -41,7 +41,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DequantizedBaseLinear", "galore_linear", "register_recorder"]
+__all__ = ["DequantizedBaseLinear", "galore_linear", "recorder", "register_recorder"]
 
 # The ``input`` of an addmm with beta=0: BLAS ignores it, broadcasting needs only a 0-d tensor. One per
 # (device, dtype), made once, so a GEMM scaled by alpha allocates no zeros.
@@ -82,6 +82,11 @@ def register_recorder(layer: Any) -> int:
     key = next(_RECORDER_IDS)
     _RECORDERS[key] = layer
     return key
+
+
+def recorder(key: int) -> Any:
+    """The layer registered under `key` (None once it is gone): for record ops of other layer kinds."""
+    return _RECORDERS.get(key)
 
 
 @torch.library.custom_op("hf_galore::record_tap", mutates_args=())
