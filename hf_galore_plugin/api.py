@@ -27,10 +27,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from .config import GaLoreConfig
-from .engines.capabilities import check_inner_optimizer, check_moment_handling
+from .engines.capabilities import check_moment_handling
 from .engines.collectives import is_dtensor, world_size
 from .engines.contract import gathers_parameters, unwrap_optimizer
-from .engines.fsdp1 import check_fsdp1_layers, fsdp1_units, group_by_unit, had_gradient, summon_unit
+from .engines.fsdp1 import (
+    check_fsdp1_layers,
+    fsdp1_units,
+    group_by_unit,
+    had_gradient,
+    register_fsdp1_fragments,
+    summon_unit,
+)
 from .inject import galore_state_per_layer, iter_galore_layers, iter_galore_layers_by_key, replace_targets, unload
 from .layers import GaLoreLinear
 from .layers.experts import GaLoreExpertStack
@@ -344,12 +351,10 @@ def create_optimizer(
     fsdp1_managed = check_fsdp1_layers(galore_layers(model), fsdp1_units(model))
     _check_rank_budget(galore_layers(model))
     _initialise_materialised_layers(model, fsdp1_managed)
-    if config.inner_optimizer != "adamw":
-        engine = "fsdp1" if fsdp1_managed else None
-        for _, layer in galore_layers(model):
-            factor = layer.galore_factor
-            engine = engine or ("fsdp2" if is_dtensor(factor) else "zero3" if hasattr(factor, "ds_id") else None)
-        check_inner_optimizer(engine or "single", inner_optimizer=config.inner_optimizer)
+    if config.inner_optimizer != "adamw" and fsdp1_managed:
+        # Muon and Adafactor step FSDP1's 1-D views as fragments of their matrices (engines.fsdp1); under ZeRO,
+        # DeepSpeedGaLoreOptimizer registers the fragments of its flat partitions.
+        register_fsdp1_fragments(model)
     for name, layer in galore_layers(model):
         if id(layer) not in fsdp1_managed and not hasattr(layer.galore_factor, "ds_id"):
             layer._check_factor_layout()

@@ -110,6 +110,12 @@ def _assert_merged_plain_model(run: dict, single: dict, pretrained: Path) -> Non
         # distributed checkpoint (the column statistics replicated)
         ("fsdp2", "galore_adafactor", ",adafactor_beta1=0.9"),
         ("fsdp1", "galore_adamw", ""),  # use_orig_params: 1-D views; refreshes summon the layer's unit
+        # Adafactor on FSDP1's 1-D views, stepped as fragments of their matrices (the root unit's embeddings and
+        # head too: factored as in one process), its per-matrix statistics in FSDP1's sharded optimizer checkpoint
+        ("fsdp1", "galore_adafactor", ",adafactor_beta1=0.9"),
+        # Adafactor on ZeRO-3's flat partitions: the factors are partitioned before the Trainer builds the
+        # optimizer; the callback's DeepSpeedGaLoreOptimizer registers the partitions' fragments before the step
+        ("zero3", "galore_adafactor", ",adafactor_beta1=0.9"),
         # no engine configured: accelerate's MULTI_CPU state wraps the model in DDP
         ("ddp", "galore_adamw", ""),
     ],
@@ -170,6 +176,22 @@ def test_fsdp2_galore_muon_resumes_exactly_from_its_distributed_checkpoint(tmp_p
     run = _run_engine(tmp_path, pretrained, "fsdp2", "galore_muon", PAPER)
     assert run["refresh_steps"] == REFRESH_STEPS
     assert "pytorch_model_fsdp_0" in run["checkpoint_files"] and "optimizer_0" in run["checkpoint_files"]
+    _assert_resumed_exactly(run)
+
+
+@pytest.mark.parametrize("engine", ["fsdp1", "zero2"])
+def test_galore_muon_on_flat_slices_resumes_exactly_from_its_checkpoint(tmp_path, pretrained, engine):
+    """``optim="galore_muon"`` under FSDP1 (``use_orig_params``) and ZeRO-2, whose optimizer steps 1-D slices:
+    each factor's slices step as fragments of the whole matrix, the momentum goes through the engine's checkpoint
+    (FSDP1's sharded optimizer state dict; DeepSpeed's partitions), and a fresh Trainer resumes from it
+    bit-exactly. Equality with one process is the subject of test_galore_muon.py and
+    test_zero_inner_optimizers.py (the bfloat16 Newton-Schulz caveat of the FSDP2 test above holds here too)."""
+    run = _run_engine(tmp_path, pretrained, engine, "galore_muon", PAPER)
+    assert run["refresh_steps"] == REFRESH_STEPS
+    if engine == "fsdp1":
+        assert "pytorch_model_fsdp_0" in run["checkpoint_files"] and "optimizer_0" in run["checkpoint_files"]
+    else:
+        assert f"global_step{SAVE_AT}" in run["checkpoint_files"]
     _assert_resumed_exactly(run)
 
 

@@ -174,6 +174,30 @@ def test_fused_experts_match_one_galore_linear_per_expert(setting):
     assert stacks["down"].counter("galore_num_refreshes") == 4  # steps 0, 2, 4, 6
 
 
+@pytest.mark.parametrize("experts_per_read", [1, 3])
+@pytest.mark.parametrize("setting", ["quantized", "nf4_project"])
+def test_quantized_stack_read_in_groups_of_experts_matches_one_galore_linear_per_expert(
+    setting, experts_per_read, monkeypatch
+):
+    """A stack whose dequantized W0 exceeds READ_BUDGET_BYTES is read a few experts at a time (each group's
+    grouped GEMM on its rows, forward and backward) rather than whole: still bit for bit the dense oracle's
+    per-expert layers (groups of `experts_per_read` gate_up_proj experts, twice as many of down_proj's)."""
+    from hf_galore_plugin.layers import grouped
+
+    gate_up_bytes = 2 * MOE_INTERMEDIATE * HIDDEN * 4  # the larger stack's expert, fp32
+    monkeypatch.setattr(grouped, "READ_BUDGET_BYTES", experts_per_read * gate_up_bytes)
+    groups: list[int] = []
+    grouped_mm = grouped.grouped_mm
+
+    def counted(a, b, offs):
+        groups.append(b.shape[0])  # the experts of the weight (a group of them: fewer than EXPERTS)
+        return grouped_mm(a, b, offs)
+
+    monkeypatch.setattr(grouped, "grouped_mm", counted)
+    _fused_against_dense(setting, weight_decay=0.0, update_proj_gap=2, same=_equal)
+    assert experts_per_read in groups and max(groups) == EXPERTS  # W0 in groups; bases and factors whole
+
+
 # Weight decay makes W0's multiplier alpha != 1. A GaLoreLinear forms alpha x W0^T inside its addmm (the CPU BLAS
 # scales W0 as it packs it); the stack forms x_e W0_e^T in the grouped GEMM and then adds it times alpha:
 # another rounding of the same sum. Bound: max |stack - dense| <= 2e-6 max |dense| (16 fp32 ulps of the largest

@@ -7,8 +7,10 @@
 - :mod:`.capabilities`: what each engine (single process, DDP, FSDP1, FSDP2, ZeRO-1/2/3) supports, and
   the one place that refuses what it does not.
 - :mod:`.collectives`: DTensor and ``torch.distributed`` helpers.
-- :mod:`.fsdp1`: FSDP1 (``use_orig_params=True``) unit lookup and gathering.
-- :mod:`.deepspeed`: the DeepSpeed ZeRO adapter (needs the ``[deepspeed]`` extra).
+- :mod:`.fragments`: which elements of which matrix an engine's 1-D slice holds (FSDP1, ZeRO), and the
+  collectives over them, for optimizers that step a matrix's rows and columns (Muon, Adafactor).
+- :mod:`.fsdp1`: FSDP1 (``use_orig_params=True``) unit lookup, gathering and fragment registration.
+- :mod:`.deepspeed`: the DeepSpeed ZeRO adapter and its fragment registration (needs the ``[deepspeed]`` extra).
 
 Nothing here imports the layers, the API or the integrations.
 """

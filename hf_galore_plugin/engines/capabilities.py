@@ -16,7 +16,6 @@ __all__ = [
     "EngineCapabilities",
     "CAPABILITIES",
     "UnsupportedByEngine",
-    "check_inner_optimizer",
     "check_moment_handling",
     "check_residual",
     "check_state_offload",
@@ -45,9 +44,6 @@ class EngineCapabilities:
     state_offload_alternative: str = ""
     # Why residual=True (Fira's residual, written into W0 in each layer's backward) is refused (empty where it runs).
     residual_reason: str = ""
-    # Why an inner optimizer that needs each factor's rows and columns (Muon, Adafactor) is refused: what the
-    # engine hands the optimizer instead (empty where they run).
-    whole_factor_reason: str = ""
 
 
 _ZERO_REASON = "the moments of one factor are spread over ZeRO's flat partitions"
@@ -62,12 +58,6 @@ _ZERO_OFFLOAD_ALTERNATIVE = (
 )
 
 
-_ZERO_WHOLE_FACTOR_REASON = (
-    "ZeRO flattens each parameter group into one fp32 partition per rank, cut across parameter boundaries, and "
-    "steps it with the client optimizer on that 1-D partition, which holds no factor's rows and columns"
-)
-
-
 def _zero(label: str) -> EngineCapabilities:
     """A DeepSpeed ZeRO stage: fp32 master copy, optimizer state in flat partitions."""
     return EngineCapabilities(
@@ -78,7 +68,6 @@ def _zero(label: str) -> EngineCapabilities:
         state_offload_reason=_ZERO_OFFLOAD_REASON,
         state_offload_alternative=_ZERO_OFFLOAD_ALTERNATIVE,
         residual_reason=_ZERO_RESIDUAL_REASON,
-        whole_factor_reason=_ZERO_WHOLE_FACTOR_REASON,
     )
 
 
@@ -105,10 +94,6 @@ CAPABILITIES: dict[str, EngineCapabilities] = {
         residual_reason=(
             "the residual is written into W0 in the backward, where FSDP1 holds an unsharded copy it discards, "
             "and the optimizer sees the factor as a 1-D slice whose Adam update has no rows"
-        ),
-        whole_factor_reason=(
-            "with use_orig_params=True the optimizer sees each factor as a 1-D view of its unit's flat shard, cut "
-            "at any element (a rank may hold part of a row, or none of the factor), which has no rows and columns"
         ),
     ),
     "fsdp2": EngineCapabilities(
@@ -178,32 +163,4 @@ def check_state_offload(engine: str, *, state_offload: str) -> None:
     raise UnsupportedByEngine(
         f"state_offload={state_offload!r} is not supported under {caps.label}: {caps.state_offload_reason}. "
         f"Use state_offload='none' with {caps.state_offload_alternative}."
-    )
-
-
-# What each inner optimizer other than AdamW computes over the whole factor.
-_WHOLE_FACTOR_NEEDS = {
-    "adafactor": "its factored second moment needs the row and column sums of",
-    "muon": "its Newton-Schulz orthogonalisation of the factor's momentum needs",
-}
-
-
-def check_inner_optimizer(engine: str, *, inner_optimizer: str) -> None:
-    """Raise :class:`UnsupportedByEngine` when `engine` cannot run `inner_optimizer` on the GaLore factors.
-
-    Adafactor factors its second moment over the rows and columns of each factor, Muon orthogonalises each
-    factor's momentum: both run where the optimizer holds a factor whole (one process, DDP) or as whole rows
-    (FSDP2's DTensor row shards, whose column sums and orthogonalisation the optimizers gather: `optim.adafactor`,
-    `optim.muon`). FSDP1 and ZeRO hand the optimizer 1-D flat partitions (their rows of the table say how)."""
-    if engine not in CAPABILITIES:
-        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    caps = CAPABILITIES[engine]
-    if inner_optimizer == "adamw" or not caps.whole_factor_reason:
-        return
-    needs = _WHOLE_FACTOR_NEEDS.get(inner_optimizer, "it needs")
-    raise UnsupportedByEngine(
-        f"inner_optimizer={inner_optimizer!r} (galore_{inner_optimizer}) is not supported under {caps.label}: "
-        f"{needs} each GaLore factor as a 2-D matrix, and {caps.whole_factor_reason}. Use galore_adamw "
-        f"(inner_optimizer='adamw') under {caps.label}, or train with galore_{inner_optimizer} under FSDP2 "
-        "(fully_shard / accelerate fsdp_version: 2), DDP or in one process."
     )

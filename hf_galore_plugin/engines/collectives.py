@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
 import torch
 
+from .fragments import fragments_of
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
@@ -154,11 +156,14 @@ def rows_sharded(t: torch.Tensor) -> bool:
     )
 
 
-def check_matrix_layout(param: torch.Tensor, *, optimizer: str, needs: str, preset: str) -> None:
+def check_matrix_layout(
+    param: torch.Tensor, *, optimizer: str, needs: str, preset: str, building: bool = False
+) -> None:
     """Raise ``RuntimeError`` when `param` reaches `optimizer`'s step in a layout without whole rows and columns
     to work on: a DTensor sharded on another dimension than its rows, or an engine's 1-D flat partition
     (FSDP1, DeepSpeed ZeRO). `needs`: what the optimizer computes over the matrix; `preset`: the optimizer name
-    a user chose (galore_muon, galore_adafactor)."""
+    a user chose (galore_muon, galore_adafactor); `building`: called from the optimizer's constructor, where a
+    matrix ZeRO-3 has partitioned is accepted (its flat partitions are registered before the first step)."""
     if is_dtensor(param):
         if rows_sharded(param):
             return
@@ -166,11 +171,23 @@ def check_matrix_layout(param: torch.Tensor, *, optimizer: str, needs: str, pres
             f"{optimizer}: a parameter it steps as a matrix is a DTensor placed {tuple(param.placements)}: a shard of "
             "another dimension than the rows holds parts of every row. Shard it on dimension 0 (FSDP2's default)."
         )
+    # An engine's 1-D slice whose fragments the engine registered (engines.fragments): the optimizer steps each
+    # fragment as part of its matrix.
+    if fragments_of(param) is not None:
+        return
+    if building and hasattr(param, "ds_id") and len(getattr(param, "ds_shape", ())) >= 2:
+        # `building` (the optimizer's constructor): a matrix ZeRO-3 partitioned before the optimizer was built
+        # (the Trainer's order). deepspeed.initialize replaces it by flat partitions, on which
+        # DeepSpeedGaLoreOptimizer registers the fragments before the first step; the step checks again.
+        return
     if param.dim() < 2 or hasattr(param, "ds_id"):
         raise RuntimeError(
             f"{optimizer}: a parameter it steps as a matrix reaches the step as a flat partition of shape "
-            f"{tuple(param.shape)}: {needs}. {preset} runs in one process, under DDP and under FSDP2; FSDP1 and "
-            "DeepSpeed ZeRO are not supported (use galore_adamw there)."
+            f"{tuple(param.shape)}: {needs}. {preset} runs in one process, under DDP and FSDP2, and on an engine's "
+            "1-D slices only where the engine registered which elements of which matrix each holds "
+            "(hf_galore_plugin.engines.fragments): this one has none. Under FSDP1 build the optimizer with "
+            "hf_galore_plugin.create_optimizer; under DeepSpeed ZeRO build DeepSpeedGaLoreOptimizer(engine) before "
+            "the first engine.step() (the Trainer does both); or use galore_adamw."
         )
 
 

@@ -52,6 +52,12 @@ class StateOptimizer(Protocol):
     Without ``reset_state`` a reset drops ``optimizer.state[param]``; without ``change_basis`` the state is
     taken in torch's layout and changed key by key by the optimizer's ``basis_state_rules``
     (:func:`hf_galore_plugin.engines.basis.state_rules`: torch's Adam layout when it declares none).
+
+    Under DeepSpeed ZeRO a reset of some factors of a flat partition zeroes their elements of the state tensors
+    of the partition's shape. Two optional class attributes say what that does to an optimizer:
+    ``factor_step_count`` (default True: the factors' groups keep a step count, shared by the partition, which
+    runs on, and a warning says so; Muon: False) and ``elementwise_state`` (default True; False where the state
+    has per-matrix parts, as Adafactor's statistics, which that cannot restart: such resets are refused).
     """
 
     def reset_state(self, param: torch.Tensor) -> None:

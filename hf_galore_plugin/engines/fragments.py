@@ -18,11 +18,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["Fragment", "fragments_of", "set_fragments", "gather_fragment", "sum_over_fragment", "fragment_index"]
+__all__ = [
+    "Fragment",
+    "fragments_of",
+    "set_fragments",
+    "gather_fragment",
+    "sum_over_fragment",
+    "fragment_index",
+    "expert_elements",
+    "any_rank",
+    "matrix_indices",
+    "uniform_elementwise_state",
+    "is_placeholder",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +65,16 @@ class Fragment:
         return flat.narrow(0, self.offset, self.numel)
 
 
-# The attribute of a registered 1-D tensor that holds its fragments (as DeepSpeed marks its parameters with
-# ``ds_id``): it lives and dies with the tensor.
-_ATTRIBUTE = "galore_fragments"
+# Registered tensors by id, each with a weak reference that removes its entry when the tensor dies. Not an
+# attribute of the tensor: torch pickles and deep-copies a tensor's attributes (ZeRO-3 saves its flat partitions
+# in its checkpoints), where the fragments' process groups cannot go, nor do they belong (a loaded flat is
+# copied into the live one, which keeps its own registration).
+_REGISTRY: dict[int, tuple["weakref.ref[torch.Tensor]", tuple[Fragment, ...]]] = {}
 
 
 def set_fragments(flat: torch.Tensor, fragments: list[Fragment]) -> None:
     """Register the matrices that the 1-D tensor `flat` (a parameter the optimizer steps) holds slices of, in
-    an order every rank shares; fragments with no local elements included."""
+    an order every rank shares; fragments with no local elements included. A later call replaces them."""
     if flat.dim() != 1:
         raise ValueError(f"fragments describe a 1-D tensor; got shape {tuple(flat.shape)}")
     for fragment in fragments:
@@ -67,12 +82,22 @@ def set_fragments(flat: torch.Tensor, fragments: list[Fragment]) -> None:
             raise ValueError(f"fragment {fragment} lies outside its parameter of shape {tuple(fragment.shape)}")
         if fragment.offset < 0 or fragment.offset + fragment.numel > flat.numel():
             raise ValueError(f"fragment {fragment} lies outside the 1-D tensor of {flat.numel()} elements")
-    setattr(flat, _ATTRIBUTE, tuple(fragments))
+    key = id(flat)
+
+    def forget(ref: "weakref.ref[torch.Tensor]", key: int = key) -> None:
+        entry = _REGISTRY.get(key)
+        if entry is not None and entry[0] is ref:
+            del _REGISTRY[key]
+
+    _REGISTRY[key] = (weakref.ref(flat, forget), tuple(fragments))
 
 
 def fragments_of(param: torch.Tensor) -> Optional[tuple[Fragment, ...]]:
     """The fragments registered for `param` by its engine, None for a tensor that holds whole matrices."""
-    return getattr(param, _ATTRIBUTE, None)
+    entry = _REGISTRY.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]
 
 
 def _all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -105,3 +130,75 @@ def fragment_index(fragment: Fragment, device: Optional[torch.device] = None) ->
         index.append(flat % size)
         flat = flat // size
     return torch.stack(index[::-1], dim=1) if index else flat[:, None]
+
+
+def any_rank(flag: bool, fragments: tuple[Fragment, ...], device: Optional[torch.device] = None) -> bool:
+    """Whether any rank of the fragments' group (they share one) set `flag` (its "I have a gradient"): one
+    all-reduce of one value and a host sync, once per parameter and step. *Collective*.
+
+    Under FSDP1 a rank that holds none of a parameter's elements sees no gradient while the others have one:
+    whether a parameter steps must be decided by what every rank agrees on, never by a local None, or the ranks
+    would reach different collectives."""
+    if not fragments:
+        return flag
+    groups = {id(fragment.group) for fragment in fragments}
+    if len(groups) != 1:
+        raise ValueError(f"the fragments of one tensor span {len(groups)} process groups; register one per tensor")
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    return float(_all_reduce(value, fragments[0].group)[0]) > 0.0
+
+
+def matrix_indices(fragment: Fragment, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each local element of a fragment of a matrix (or stack of matrices, ``shape[:-2]`` leading): the index
+    of its row in ``shape[:-1]`` flattened, and of its column in ``shape[:-2] + shape[-1:]`` flattened (the
+    layouts of a row and a column statistic), as two int64 tensors (for index_add / gather)."""
+    if len(fragment.shape) < 2:
+        raise ValueError(f"fragment {fragment.name!r} of shape {tuple(fragment.shape)} is not a matrix")
+    flat = torch.arange(fragment.start, fragment.stop, device=device)
+    cols = int(fragment.shape[-1])
+    rows = int(fragment.shape[-2])
+    row = flat // cols
+    col = (row // rows) * cols + flat % cols
+    return row, col
+
+
+def uniform_elementwise_state(packed: dict[Any, dict[str, Any]], params: dict[Any, torch.Tensor]) -> None:
+    """Give every registered parameter's state in `packed` (``optimizer.state_dict()["state"]``; `params` maps its
+    keys to the parameters) every elementwise key (a tensor of more than 0 dimensions) that some registered
+    parameter's state has, as zeros of its shape that take no memory (a stride-0 view of one zero), in place.
+
+    FSDP1's ``optim_state_dict`` gathers each elementwise key over all parameters of a unit's flat parameter and
+    fails when one of them lacks it (Muon's momentum beside AdamW's moments, Adafactor's factored matrices
+    beside its 1-D second moments); the optimizer's loader drops what its own rule does not keep."""
+    registered = [key for key, param in params.items() if key in packed and fragments_of(param) is not None]
+    keys: dict[str, torch.dtype] = {}
+    for key in registered:
+        for name, value in packed[key].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                keys.setdefault(name, value.dtype)
+    for key in registered:
+        state, param = packed[key], params[key]
+        if not state:
+            continue
+        missing = {name: dtype for name, dtype in keys.items() if name not in state}
+        if missing:
+            state = packed[key] = dict(state)
+            for name, dtype in missing.items():
+                state[name] = torch.zeros((), dtype=dtype, device=param.device).expand(param.shape)
+
+
+def expert_elements(fragment: Fragment, experts: torch.Tensor) -> torch.Tensor:
+    """Which local elements of a fragment of an expert stack (E x m x r) belong to the experts in the boolean
+    mask `experts` (E): a boolean tensor of the fragment's length, on the mask's device."""
+    if len(fragment.shape) < 3:
+        raise ValueError(f"fragment {fragment.name!r} of shape {tuple(fragment.shape)} is not an expert stack")
+    per_expert = math.prod(fragment.shape[1:])
+    expert = torch.arange(fragment.start, fragment.stop, device=experts.device) // per_expert
+    return experts.to(torch.bool)[expert]
+
+
+def is_placeholder(value: Any) -> bool:
+    """Whether a loaded state value is a zero that :func:`uniform_elementwise_state` added for FSDP1 (a stride-0
+    view of one element, as saved): an optimizer's loader drops it. (FSDP1's own optimizer state dict gathers
+    such a value into real zeros; the loaders drop those by the parameter's registered keys.)"""
+    return isinstance(value, torch.Tensor) and value.numel() > 1 and 0 in value.stride()

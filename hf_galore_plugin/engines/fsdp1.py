@@ -12,6 +12,20 @@ GaLore layers it holds (~7 per decoder layer), once per gap. The Adam moments st
 ``moment_handling='project'`` (a 2-D change of coordinates) is refused before the first step
 (:mod:`hf_galore_plugin.engines.capabilities`).
 
+Muon and Adafactor (``galore_muon``, ``galore_adafactor``) compute over each matrix's rows and columns:
+:func:`register_fsdp1_fragments` registers on every trainable original parameter of every sharded unit which
+elements of its matrix the rank's view holds (elements [start, stop) of the parameter flattened row-major,
+possibly none; :mod:`hf_galore_plugin.engines.fragments`), with the unit's process group. The registration
+is an attribute of the Parameter object, which FSDP1 keeps while it re-points its ``.data``. The optimizers
+step each view in parameter order, the same on every rank, with collectives over the unit's group: Muon
+all-reduces the matrix it orthogonalises (zeros outside each rank's elements: one all-reduce of the factor's
+size per factor and step), runs Newton-Schulz on it on every rank and keeps its elements; Adafactor
+all-reduces the partial row and column sums of the squared gradient (the factor's m + r values, with a
+gradient flag) and the update's sum of squares, two small all-reduces per matrix and step. Elementwise state
+(Muon's momentum, Adafactor's first moment, a vector's second moment) is sharded as the view is; Adafactor's
+row and column statistics are whole on every rank holding elements of the matrix. Every parameter, not only
+the factors: Adafactor factors every matrix and clips each update by its whole RMS, as one process does.
+
 :func:`hf_galore_plugin.after_step` and :func:`hf_galore_plugin.create_optimizer` find FSDP1 units in
 the model they are given and use this module on their own; nothing changes in a training loop.
 """
@@ -24,8 +38,16 @@ from typing import Optional
 from torch import nn
 
 from .capabilities import check_moment_handling
+from .fragments import Fragment, set_fragments
 
-__all__ = ["fsdp1_units", "summon_unit", "group_by_unit", "had_gradient", "check_fsdp1_layers"]
+__all__ = [
+    "fsdp1_units",
+    "summon_unit",
+    "group_by_unit",
+    "had_gradient",
+    "check_fsdp1_layers",
+    "register_fsdp1_fragments",
+]
 
 
 def fsdp1_units(model: nn.Module) -> dict[int, nn.Module]:
@@ -99,3 +121,32 @@ def check_fsdp1_layers(layers, units: dict[int, nn.Module]) -> set[int]:
         managed.add(id(layer))
         check_moment_handling("fsdp1", moment_handling=layer.config.moment_handling, layer=name)
     return managed
+
+
+def register_fsdp1_fragments(model: nn.Module) -> int:
+    """Register (:func:`~hf_galore_plugin.engines.fragments.set_fragments`) on every trainable original parameter
+    of every sharded FSDP1 unit in `model` the fragment of its matrix that this rank's 1-D view holds (module
+    docstring); returns how many. Call it between steps, where the views are sharded (not inside
+    ``summon_full_params``). Units that do not shard (``NO_SHARD``) hand the optimizer whole parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    count = 0
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        handle = getattr(unit, "_handle", None)
+        flat = getattr(handle, "flat_param", None)
+        if flat is None or not handle.uses_sharded_strategy:  # type: ignore[union-attr]  # untyped handle
+            continue
+        params = getattr(flat, "_params", None)
+        if params is None:
+            fsdp1_units(unit)  # raises: FSDP1 without use_orig_params
+            continue
+        infos = zip(params, flat._shard_param_infos, flat._shapes, flat._fqns)
+        for param, info, shape, name in infos:
+            if not param.requires_grad:
+                continue
+            # intra_param_end_idx is inclusive; a view without elements of the parameter holds [0, 0).
+            start, stop = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
+            fragment = Fragment(shape=shape, start=start, stop=stop, offset=0, group=unit.process_group, name=name)
+            set_fragments(param, [fragment])
+            count += 1
+    return count

@@ -14,7 +14,6 @@ import inspect
 from typing import Any, Callable, Optional
 
 from ..config import GaLoreConfig
-from ..engines.capabilities import check_inner_optimizer
 from ..layers import GaLoreLinear
 from ..layers.experts import GaLoreExpertStack, GaLoreExperts
 from .chunked_loss import check_head_weight_readers, configure_trainer_loss
@@ -32,23 +31,35 @@ def check_training_args(args: Any, name: str, config: Optional[GaLoreConfig] = N
         ds_config = args.deepspeed
     if ds_config is None:
         ds_config = getattr(getattr(args, "deepspeed_plugin", None), "deepspeed_config", None)
-    if config is not None and config.inner_optimizer != "adamw":
-        # Refused by name before any engine partitions the factors (ZeRO-1/2 would otherwise hand the optimizer
-        # flat partitions only at its first step; FSDP wraps before the optimizer is built).
-        zero_stage = (
-            (ds_config or {}).get("zero_optimization", {}).get("stage", 0) if isinstance(ds_config, dict) else 0
-        )
-        if ds_config is not None:
-            check_inner_optimizer(f"zero{zero_stage}" if zero_stage in (1, 2, 3) else "zero1",
-                                  inner_optimizer=config.inner_optimizer)  # fmt: skip
-        fsdp = getattr(args, "fsdp", None)
-        if fsdp:
-            check_inner_optimizer(f"fsdp{_fsdp_version(args)}", inner_optimizer=config.inner_optimizer)
+    if config is not None and config.inner_optimizer != "adamw" and getattr(args, "fsdp", None):
+        _check_fsdp1_state_dict_type(args, name)
     if isinstance(ds_config, dict) and "optimizer" in ds_config:
         raise ValueError(
             f"optim={name!r}: the DeepSpeed config has an 'optimizer' block "
             f"({ds_config['optimizer'].get('type', '?')!r}), which would replace the GaLore optimizer "
             "silently. Remove the 'optimizer' block from the DeepSpeed config (keep 'scheduler' if you like)."
+        )
+
+
+def _check_fsdp1_state_dict_type(args: Any, name: str) -> None:
+    """FSDP1 checkpoints Muon's and Adafactor's state only as SHARDED_STATE_DICT: accelerate saves and loads a
+    FULL_STATE_DICT optimizer with ``rank0_only=True``, whose load moves every state value with ``.cpu()``, and
+    these optimizers keep numbers in their state (step counts; Adafactor's per-matrix statistics of FSDP1's views,
+    which FSDP1 would cut as slices of the flat parameter if they were tensors). Refused before the first step,
+    not at the first resume."""
+    if _fsdp_version(args) != 1:
+        return
+    resolved = getattr(args, "fsdp_plugin_args", None)
+    fsdp_config = getattr(args, "fsdp_config", None) or {}
+    state_dict_type = (resolved or {}).get("state_dict_type") if isinstance(resolved, dict) else None
+    state_dict_type = state_dict_type or fsdp_config.get("state_dict_type", "FULL_STATE_DICT")
+    if str(state_dict_type).upper() != "SHARDED_STATE_DICT":
+        raise ValueError(
+            f"optim={name!r} under FSDP1 checkpoints its optimizer state as SHARDED_STATE_DICT only (got "
+            f"state_dict_type={state_dict_type!r}: a FULL_STATE_DICT optimizer checkpoint is loaded with "
+            "rank0_only=True, which cannot hold the numbers in its state). Set fsdp_config={'state_dict_type': "
+            "'SHARDED_STATE_DICT', ...} (accelerate: fsdp_state_dict_type: SHARDED_STATE_DICT, as "
+            "examples/accelerate/fsdp1.yaml), or use FSDP2 (fsdp_version: 2)."
         )
 
 

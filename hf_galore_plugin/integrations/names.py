@@ -26,7 +26,7 @@ from torch import nn
 from ..api import create_optimizer, prepare_model
 from ..config import GaLoreConfig
 from ..engines.deepspeed import is_zero3_partitioned
-from ..engines.fsdp1 import fsdp1_units
+from ..engines.fsdp1 import fsdp1_units, register_fsdp1_fragments
 from ..registry import list_optimizer_entry_points, load_optimizer_preset
 from ..state import state_of
 from .distributed import prepare_zero3_model
@@ -277,6 +277,11 @@ def _galore_optimizer_cls_and_kwargs(args: Any, model: Optional[nn.Module], name
             "block scales), so the first checkpoint would fail. Pass optim_args='state_bits=32' (fp32 moments, "
             "still low-rank), or use FSDP2 (fsdp_version: 2) or DeepSpeed ZeRO, which keep 8-bit state."
         )
+    if state.config.inner_optimizer != "adamw" and fsdp1_units(model):
+        # Muon and Adafactor step FSDP1's 1-D views as fragments of their matrices. The Trainer builds the
+        # optimizer from the wrapped model, whose root unit (embeddings, head, final norm) lies outside the
+        # prepared model that create_optimizer registers.
+        register_fsdp1_fragments(model)
     kwargs = {
         "lr": args.learning_rate,
         "betas": (args.adam_beta1, args.adam_beta2),

@@ -177,6 +177,7 @@ class GaLoreExpertStack(GaLoreLinear):
             self.galore_factor,
             self.weight,
             self._weight_value,
+            None if self._weight_store is None else self._weight_store.value_slice,
             p,
             q,
             alpha,

@@ -31,9 +31,11 @@ offsets), whose eager body asks the stack whether it is due.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from .function import recorder
@@ -173,22 +175,65 @@ grouped_record_tap.register_autograd(_tap_backward, setup_context=_tap_setup)
 
 
 # ---------------------------------------------------------------------- the stack's forward
+# A stack's W0 stored quantized is dequantized whole (one grouped GEMM, no host read of the offsets) while its
+# dequantized copy is at most this many bytes; a larger stack is dequantized a few experts at a time, each group
+# of experts' GEMM on its own rows, at the cost of one host read of the offsets per forward and backward. The
+# whole copy would be a transient the size of the unquantized stack (Qwen3-30B-A3B's gate_up_proj: 0.8 GB in
+# bf16), which quantizing W0 is there to avoid; the loop keeps it at the size of a linear layer's.
+READ_BUDGET_BYTES = 64 * 2**20
+
+
 class _QuantizedBase(torch.autograd.Function):
-    """alpha-free ``x_e W0_e^T`` for a W0 stored quantized, eagerly: `read(dtype)` dequantizes the stack in the
-    forward and again in the backward (the E x m x n copy is not kept across the step, as
-    :class:`~.function.DequantizedBaseLinear` does for a linear layer)."""
+    """alpha-free ``x_e W0_e^T`` for a W0 stored quantized, eagerly: `read(dtype)` dequantizes the stack, and
+    `read_expert(e, dtype)` expert e's slice, in the forward and again in the backward (no dequantized copy is
+    kept across the step, as :class:`~.function.DequantizedBaseLinear` does for a linear layer); the whole stack
+    at once up to READ_BUDGET_BYTES, else experts in groups within it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, read: Callable[[torch.dtype], torch.Tensor], offs: torch.Tensor):
-        ctx.read = read
+    def forward(
+        ctx: Any, x: torch.Tensor, read: Callable, read_expert: Callable, shape: torch.Size, offs: torch.Tensor
+    ):
+        ctx.read, ctx.read_expert, ctx.shape = read, read_expert, shape
         ctx.save_for_backward(offs)
-        return grouped_mm(x, read(x.dtype).mT, offs)
+        return _quantized_base(x, read, read_expert, shape, offs, transpose=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         (offs,) = ctx.saved_tensors
-        grad_x = grouped_mm(grad, ctx.read(grad.dtype), offs) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _quantized_base(grad, ctx.read, ctx.read_expert, ctx.shape, offs, transpose=False)
+        return grad_x, None, None, None, None
+
+
+def _quantized_base(
+    x: torch.Tensor, read: Callable, read_expert: Callable, shape: torch.Size, offs: torch.Tensor, *, transpose: bool
+) -> torch.Tensor:
+    """``x_e W0_e^T`` (`transpose`) or ``x_e W0_e`` for rows `x` sorted by expert, W0 (E x m x n, `shape`) read in
+    x's dtype within READ_BUDGET_BYTES (see there)."""
+    experts = int(shape[0])
+    per_expert = math.prod(shape[1:]) * x.element_size()
+    group = max(1, READ_BUDGET_BYTES // per_expert)
+    if group >= experts:
+        weight = read(x.dtype)
+        return grouped_mm(x, weight.mT if transpose else weight, offs)
+    out = x.new_zeros(x.shape[0], int(shape[1] if transpose else shape[2]))
+    if is_fake(offs):
+        # Shapes only (the memory planner): the rows are taken as spread evenly over the experts.
+        bounds = [min(x.shape[0], x.shape[0] * (e + 1) // experts) for e in range(experts)]
+    else:
+        bounds = offs.tolist()  # one host read: each group of experts' GEMM is sized by its rows
+    for first in range(0, experts, group):
+        last = min(first + group, experts)
+        start = bounds[first - 1] if first else 0
+        stop = bounds[last - 1]
+        if stop == start:
+            continue
+        weight = torch.stack([read_expert(e, x.dtype) for e in range(first, last)])
+        local = torch.tensor(bounds[first:last], dtype=offs.dtype, device=offs.device) - start
+        out[start:stop] = grouped_mm(x[start:stop], weight.mT if transpose else weight, local)
+        del weight
+    return out
 
 
 def grouped_galore(
@@ -197,6 +242,7 @@ def grouped_galore(
     factor: torch.Tensor,
     weight: Optional[torch.Tensor],
     read_weight: Callable[[torch.dtype], torch.Tensor],
+    read_expert: Optional[Callable[[int, torch.dtype], torch.Tensor]],
     p: Optional[torch.Tensor],
     q: Optional[torch.Tensor],
     alpha: float | torch.Tensor,
@@ -229,7 +275,9 @@ def grouped_galore(
         base = weight if weight is not None else checkpoint(read_weight, dtype, use_reentrant=False)
         y = torch.addcmul(h, grouped_mm(xc, base.to(dtype).mT, offs), alpha.to(dtype))
     elif weight is None:
-        y = torch.add(h, _QuantizedBase.apply(xc, read_weight, offs), alpha=alpha)
+        assert read_expert is not None, "a W0 stored quantized is read by expert too"
+        shape = torch.Size((factor.shape[0], h.shape[-1], xc.shape[-1]))
+        y = torch.add(h, _QuantizedBase.apply(xc, read_weight, read_expert, shape, offs), alpha=alpha)
     else:
         y = torch.add(h, grouped_mm(xc, (weight if weight.dtype == dtype else weight.to(dtype)).mT, offs), alpha=alpha)
     if record is not None and y.requires_grad:

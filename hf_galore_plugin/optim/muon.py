@@ -40,8 +40,21 @@ the whole matrix: each rank forms the matrix to orthogonalise on its own rows, a
 per factor and step, the size of the factor), runs the same Newton-Schulz on the same input as every other rank,
 and keeps its own rows of the result; the momentum stays sharded. An expert stack sharded on its expert
 dimension holds whole matrices and orthogonalises them where they are. The AdamW groups step each rank's shard
-(elementwise). An engine's 1-D flat partition (FSDP1, DeepSpeed ZeRO) has no rows: ``create_optimizer`` refuses
-those engines by name (``engines.capabilities``), the step refuses what gets past.
+(elementwise).
+
+An engine's 1-D slice (FSDP1's views with ``use_orig_params=True``; DeepSpeed ZeRO's flat partitions) steps by
+the fragments its engine registered on it (``engines.fragments``: elements [start, stop) of each matrix
+flattened row-major, possibly none), one by one in the order every rank shares: the momentum of the local
+elements, then one all-reduce of the matrix to orthogonalise (zeros outside each rank's elements), the same
+Newton-Schulz on every rank, and the local elements of the result at the whole matrix's rate. Whether the slice
+steps at all is decided once per slice and step by one all-reduced flag (`engines.fragments.any_rank`: a rank
+without elements has no gradient where the others have one; skipping follows the flag, never a local None, so
+every rank makes the same collectives). Cost: one all-reduce of the factor's size per factor and step, and one
+flag (a host sync) per slice. The momentum is a 1-D tensor of the slice's shape (elementwise, sharded as the slice is); a rank
+without elements keeps none. In ``state_dict`` every registered slice carries the momentum and AdamW's moments
+(the keys it lacks as zeros without memory, dropped by ``load_state_dict``): FSDP1's optimizer state dict needs
+the same elementwise keys on every parameter of a unit. 'project' is refused there (``engines.capabilities``);
+'reset' of some experts zeroes their elements. A 1-D tensor without registered fragments is refused.
 """
 
 from __future__ import annotations
@@ -54,11 +67,20 @@ import torch
 
 from hf_galore_plugin.engines.basis import LINEAR, BasisChange
 from hf_galore_plugin.engines.collectives import check_matrix_layout, gather_rows, is_dtensor, local_rows, local_shard
+from hf_galore_plugin.engines.fragments import (
+    expert_elements,
+    any_rank,
+    fragments_of,
+    is_placeholder,
+    sum_over_fragment,
+    uniform_elementwise_state,
+)
 from hf_galore_plugin.optim.functional import adamw_step_fp32
 
 __all__ = ["Muon", "MUON_STATE_KEYS", "NS_COEFFICIENTS", "newton_schulz", "rms_matching_factor"]
 
 MUON_STATE_KEYS = ("momentum_buffer",)
+_ADAMW_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 # The quintic's coefficients (Keller Jordan's, torch.optim.Muon's): the slope at zero is maximised so that 5
 # steps lift small singular values towards 1.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -141,8 +163,16 @@ def _uses_muon(group: dict[str, Any]) -> bool:
     return bool(group.get("muon", group.get("galore", False)))
 
 
-def _refuse_partitioned(param: torch.Tensor) -> None:
-    check_matrix_layout(param, optimizer="Muon", needs="Newton-Schulz needs the whole matrix", preset="galore_muon")
+def _refuse_partitioned(param: torch.Tensor, building: bool = False) -> None:
+    check_matrix_layout(
+        param, optimizer="Muon", needs="Newton-Schulz needs the whole matrix", preset="galore_muon", building=building
+    )
+    for fragment in fragments_of(param) or ():
+        if len(fragment.shape) < 2:
+            raise RuntimeError(
+                f"Muon: {fragment.name or 'a parameter'} of shape {tuple(fragment.shape)} is not a matrix; Muon "
+                "orthogonalises matrices (GaLore factors). Step it in a group without 'muon' (AdamW)."
+            )
 
 
 def _zeros(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -173,6 +203,9 @@ class Muon(torch.optim.Optimizer):
     """
 
     basis_state_rules = {"momentum_buffer": LINEAR}
+    # The factor groups keep a momentum only (no step count, no bias correction): an engine that restarts one
+    # factor inside a flat partition (DeepSpeedGaLoreOptimizer) by zeroing its elements restarts it exactly.
+    factor_step_count = False
 
     def __init__(
         self,
@@ -211,7 +244,7 @@ class Muon(torch.optim.Optimizer):
         _check_group(group)
         if _uses_muon(group):
             for param in group["params"]:
-                _refuse_partitioned(param)
+                _refuse_partitioned(param, building=True)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -229,6 +262,10 @@ class Muon(torch.optim.Optimizer):
     def _muon_group(self, group: dict[str, Any]) -> None:
         lr, wd, mu = float(group["lr"]), float(group["weight_decay"]), float(group["momentum"])
         for param in group["params"]:
+            if fragments_of(param) is not None:
+                # An engine's 1-D slice (FSDP1, ZeRO): stepped whatever its local gradient, see _muon_fragments.
+                self._muon_fragments(param, group)
+                continue
             if param.grad is None:
                 continue
             _refuse_partitioned(param)
@@ -266,6 +303,51 @@ class Muon(torch.optim.Optimizer):
             if work is not local:
                 local.copy_(work)
 
+    def _muon_fragments(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        """One step of a 1-D tensor holding fragments of matrices (module docstring): per fragment, in the order
+        every rank shares, the momentum of the local elements, one all-reduce of the matrix to orthogonalise, the
+        same Newton-Schulz on every rank, the local elements of the result; nothing where no rank has a gradient."""
+        _refuse_partitioned(param)
+        lr, wd, mu = float(group["lr"]), float(group["weight_decay"]), float(group["momentum"])
+        dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+        if param.grad is not None and param.grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        # No local gradient (FSDP1: no local elements): zeros; the parameter steps where any rank has a gradient
+        # (one process would skip it where none has), decided alike on every rank.
+        fragments = fragments_of(param) or ()
+        if not any_rank(param.grad is not None, fragments, param.device):
+            return
+        grad = torch.zeros(param.numel(), dtype=dtype, device=param.device)
+        if param.grad is not None:
+            grad = param.grad.reshape(-1).to(dtype)
+        state = self.state[param]
+        # A rank without local elements keeps no state (there is nothing of it to step); its all-reduces are
+        # zeros. FSDP1's optimizer state dict gives such a rank no state either.
+        if param.numel() and "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros(param.shape, dtype=dtype, device=param.device)
+        buf = state["momentum_buffer"].view(-1) if param.numel() else grad
+        local = param.data.view(-1)
+        for fragment in fragments:
+            g, b = fragment.local(grad), fragment.local(buf)
+            b.lerp_(g, 1.0 - mu)
+            direction = g.lerp(b, mu) if group["nesterov"] else b
+            padded = torch.zeros(math.prod(fragment.shape), dtype=dtype, device=param.device)
+            padded[fragment.start : fragment.stop] = direction
+            whole = sum_over_fragment(padded, fragment)
+            update = newton_schulz(
+                whole.view(fragment.shape),
+                group["ns_steps"],
+                group["ns_coefficients"],
+                float(group["ns_eps"]),
+                _dtype(group["ns_dtype"]),
+            ).reshape(-1)[fragment.start : fragment.stop]
+            target = fragment.local(local)
+            work = target if target.dtype == dtype else target.to(dtype)
+            work.mul_(1.0 - lr * wd)
+            work.add_(update, alpha=-lr * rms_matching_factor(fragment.shape))
+            if work is not target:
+                target.copy_(work)
+
     def _adamw_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = (float(b) for b in group["betas"])
         for param in group["params"]:
@@ -290,6 +372,25 @@ class Muon(torch.optim.Optimizer):
         """Forget `param`'s state: its next step starts from a zero momentum."""
         self.state.pop(param, None)
 
+    def initialize_state(self) -> None:
+        """Give every trainable parameter without state its zero state, without stepping (a zero momentum, AdamW's
+        step 0): for loaders that fill the optimizer's existing state in place (FSDP1's sharded checkpoint through
+        accelerate). A zero state steps exactly as a missing one. A registered 1-D slice without local elements
+        keeps none (as its step does)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not param.requires_grad or self.state.get(param):
+                    continue
+                if _uses_muon(group):
+                    if fragments_of(param) is not None and not param.numel():
+                        continue
+                    dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+                    self.state[param]["momentum_buffer"] = _zeros(param, dtype)
+                else:
+                    self.state[param].update(
+                        step=0, exp_avg=_zeros(param, torch.float32), exp_avg_sq=_zeros(param, torch.float32)
+                    )
+
     @torch.no_grad()
     def change_basis(
         self,
@@ -310,6 +411,20 @@ class Muon(torch.optim.Optimizer):
         if change is None:
             return
         state = self.state.get(param)
+        fragments = fragments_of(param)
+        if fragments is not None:
+            # An engine's 1-D slices: a reset of some experts zeroes their local elements; 'project' is refused
+            # before the first step by the engines that hand the optimizer such slices
+            # (engines.capabilities.check_moment_handling).
+            if policy != "reset" or experts is None:
+                raise RuntimeError(
+                    f"Muon: moment_handling={policy!r} cannot move the momentum of a parameter held as 1-D slices "
+                    "(FSDP1, DeepSpeed ZeRO); use moment_handling='keep' or 'reset'"
+                )
+            if state and "momentum_buffer" in state:
+                for fragment in fragments:
+                    fragment.local(state["momentum_buffer"].view(-1))[expert_elements(fragment, experts)] = 0.0
+            return
         if state and "momentum_buffer" in state:
             state["momentum_buffer"].copy_(change.apply(state["momentum_buffer"], LINEAR, param))
 
@@ -319,6 +434,10 @@ class Muon(torch.optim.Optimizer):
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group["ns_dtype"] = str(_dtype(group["ns_dtype"])).removeprefix("torch.")
+        # Registered 1-D slices (FSDP1): every one carries the momentum and AdamW's moments (the keys it lacks as
+        # zeros without memory, dropped by the loader), as FSDP1's optimizer state dict needs of a unit.
+        params = [p for g in self.param_groups for p in g["params"]]
+        uniform_elementwise_state(state_dict["state"], dict(enumerate(params)))
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -328,14 +447,22 @@ class Muon(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         saved = {p: state_dict["state"][i] for i, p in zip(saved_ids, params) if i in state_dict["state"]}
         super().load_state_dict(state_dict)
+        kept: dict[int, tuple[str, ...]] = {}
         for group in self.param_groups:
             group["ns_coefficients"] = tuple(group["ns_coefficients"])
             group["betas"] = tuple(group["betas"])
             group["ns_dtype"] = _dtype(group["ns_dtype"])
+            for param in group["params"]:
+                kept[id(param)] = MUON_STATE_KEYS if _uses_muon(group) else _ADAMW_STATE_KEYS
         for param, values in saved.items():
+            # A registered 1-D slice's state dict carries every elementwise key of its unit (state_dict): only
+            # its own rule's are state.
+            own = kept[id(param)] if fragments_of(param) is not None else tuple(values)
+            # (a ZeRO checkpoint loads before its flats are registered: the placeholders go by their layout)
             self.state[param] = {
                 key: value.to(device=param.device) if isinstance(value, torch.Tensor) else value
                 for key, value in values.items()
+                if key in own and not is_placeholder(value)
             }
 
     def state_nbytes(self) -> int:
