@@ -30,12 +30,13 @@ def wrap_for_engine(
     - ``fsdp2``: ``fully_shard`` on every submodule of class ``block_class`` (in ``model.modules()``
       order), then on ``model``; both are ``model``, now sharded in place.
     - ``fsdp1``: ``FullyShardedDataParallel(model, use_orig_params=..., device_id=cpu,
-      auto_wrap_policy=ModuleWrapPolicy({block_class}))``; both are the FSDP module (the optimizer must
-      see its flat or original parameters, not the unwrapped model's).
+      auto_wrap_policy=ModuleWrapPolicy({block_class}))``, or the whole model as one unit with
+      ``block_class=None``; both are the FSDP module (the optimizer must see its flat or original
+      parameters, not the unwrapped model's).
 
-    ``block_class`` is the unit of sharding (a decoder layer): required by fsdp1 and fsdp2, and at least
-    one submodule of ``model`` must be one, with no block inside another (fully_shard must shard an
-    inner module before its parent). Engines that have no use for an argument refuse it rather than
+    ``block_class`` is the unit of sharding (a decoder layer): required by fsdp2 (fsdp1: None is one unit),
+    and at least one submodule of ``model`` must be one, with no block inside another (fully_shard must
+    shard an inner module before its parent). Engines that have no use for an argument refuse it rather than
     ignore it: ``comm_hook`` is DDP's alone, ``use_orig_params=False`` FSDP1's alone.
     """
     if engine not in ENGINES:
@@ -47,7 +48,7 @@ def wrap_for_engine(
             f"use_orig_params=False is an FSDP1 option; engine={engine!r} always trains the original "
             "parameters, pass use_orig_params=True"
         )
-    if engine in ("fsdp1", "fsdp2"):
+    if engine == "fsdp2" or (engine == "fsdp1" and block_class is not None):
         blocks = _blocks(model, engine, block_class)
 
     import torch
@@ -69,12 +70,8 @@ def wrap_for_engine(
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    wrapped = FullyShardedDataParallel(
-        model,
-        use_orig_params=use_orig_params,
-        device_id=torch.device("cpu"),
-        auto_wrap_policy=ModuleWrapPolicy({block_class}),
-    )
+    policy = {} if block_class is None else {"auto_wrap_policy": ModuleWrapPolicy({block_class})}
+    wrapped = FullyShardedDataParallel(model, use_orig_params=use_orig_params, device_id=torch.device("cpu"), **policy)
     return wrapped, wrapped
 
 

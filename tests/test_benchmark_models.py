@@ -141,7 +141,7 @@ def _toy() -> nn.Module:
         ("fsdp3", {}, r"engine='fsdp3' is not one of \('single', 'ddp', 'fsdp1', 'fsdp2'\)"),
         ("fsdp2", {"comm_hook": print}, r"comm_hook=.*engine='fsdp2' has none, pass None"),
         ("ddp", {"use_orig_params": False}, r"use_orig_params=False is an FSDP1 option; engine='ddp'"),
-        ("fsdp1", {}, r"engine='fsdp1' shards block by block: pass block_class=.*got None"),
+        ("fsdp2", {}, r"engine='fsdp2' shards block by block: pass block_class=.*got None"),
         ("fsdp2", {"block_class": nn.Conv2d}, r"block_class=Conv2d matches no submodule of Sequential"),
         ("fsdp2", {"block_class": _Block, "_nested": True}, r"block_class=_Block nests"),
     ],
@@ -190,6 +190,10 @@ def test_wrap_for_engine_makes_the_calls_the_callers_made(monkeypatch):
         assert kwargs.pop("auto_wrap_policy")._module_classes == {_Block}
         assert kwargs == {"use_orig_params": use_orig_params, "device_id": torch.device("cpu")}
         calls.clear()
+    wrapped, forward = _engines.wrap_for_engine(model, "fsdp1")  # no block class: the whole model as one unit
+    ((kind, module, kwargs),) = calls
+    assert module is model and kwargs == {"use_orig_params": True, "device_id": torch.device("cpu")}
+    calls.clear()
 
     for hook in (None, print):
         optimized, forward = _engines.wrap_for_engine(model, "ddp", comm_hook=hook)

@@ -1,5 +1,5 @@
 """Run by tests/test_galore_muon.py and tests/test_galore_adafactor.py: galore_muon / galore_adafactor under FSDP1
-(``FullyShardedDataParallel(use_orig_params=True)``, ENGINE=fsdp1, 2 gloo ranks) or in one process (ENGINE=single),
+(FSDP1 with ``use_orig_params=True``, ENGINE=fsdp1, 2 gloo ranks) or in one process (ENGINE=single),
 with sharded_galore.py's batches and loop, on MODEL=blocks (sharded_galore.py's model, one unit per Block: the
 factor comes first in its unit's flat parameter, so rank 0 holds every factor whole and rank 1 none of them) or
 MODEL=one_unit (Block(16, 33), Block(33, 16), Linear(16, 8) as one unit: rank 1 holds none of the first factor
@@ -58,13 +58,8 @@ def prepared(engine: str):
         model = build_model(PRESET, os.environ.get("PROJ_TYPE", "std"))
         model, forward = wrap_for_engine(model, engine, block_class=Block)
     else:
-        model = forward = one_unit_model()
-        if engine == "ddp":
-            forward = nn.parallel.DistributedDataParallel(model)
-        if engine == "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            model = forward = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+        # FSDP1: the whole model as one unit (block_class None)
+        model, forward = wrap_for_engine(one_unit_model(), engine)
     return model, forward, create_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
