@@ -35,13 +35,9 @@ def build(args, variant: str):
     model = transformers.Qwen3MoeForCausalLM(config)
     if variant == "adamw_torch":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3), None
-    galore = hg.GaLoreConfig.preset(
-        args.preset,
-        rank=args.rank,
-        expert_rank=args.expert_rank,
-        experts=variant == "projected",
-        update_proj_gap=10**6,
-    )
+    # expert_rank is an option of projected experts only (GaLoreConfig refuses it without experts=True)
+    experts = {"experts": True, "expert_rank": args.expert_rank} if variant == "projected" else {}
+    galore = hg.GaLoreConfig.preset(args.preset, rank=args.rank, update_proj_gap=10**6, **experts)
     hg.prepare_model(model, galore)
     optimizer = hg.create_optimizer(model, lr=1e-3)
     return model, optimizer, hg.after_step

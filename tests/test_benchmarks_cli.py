@@ -431,3 +431,14 @@ def test_floor_layer_matches_its_dense_layer(quantized):
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(floor.b.grad, b_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["galore_adamw", "qgalore_adamw_8bit"])
+def test_moe_step_times_the_three_variants(tmp_path, preset):
+    proc = _run([sys.executable, "benchmarks/moe_step.py", "--rounds", "2", "--layers", "1", "--preset", preset],
+                tmp_path)  # fmt: skip
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    for variant in ("adamw_torch", "unprojected", "projected"):
+        cpu_ms = float(rows[variant].split("|")[2])
+        assert math.isfinite(cpu_ms) and cpu_ms > 0, rows[variant]
+    assert f"preset {preset}" in proc.stdout
