@@ -29,7 +29,6 @@ __all__ = [
     "set_fragments",
     "gather_fragment",
     "sum_over_fragment",
-    "fragment_index",
     "expert_elements",
     "any_rank",
     "matrix_indices",
@@ -118,18 +117,6 @@ def sum_over_fragment(partial: torch.Tensor, fragment: Fragment) -> torch.Tensor
     """In-place sum of `partial` (a result over this rank's elements of the fragment's matrix, e.g. per-row
     sums) over the ranks that hold its other elements, returned. *Collective* over the fragment's group."""
     return _all_reduce(partial, fragment.group)
-
-
-def fragment_index(fragment: Fragment, device: Optional[torch.device] = None) -> torch.Tensor:
-    """The multi-index of each local element of the fragment's matrix: a (numel, ndim) int64 tensor whose
-    column d is the element's index along dimension d of ``fragment.shape`` (for scatter sums over rows and
-    columns)."""
-    flat = torch.arange(fragment.start, fragment.stop, device=device)
-    index = []
-    for size in reversed(fragment.shape):
-        index.append(flat % size)
-        flat = flat // size
-    return torch.stack(index[::-1], dim=1) if index else flat[:, None]
 
 
 def any_rank(flag: bool, fragments: tuple[Fragment, ...], device: Optional[torch.device] = None) -> bool:

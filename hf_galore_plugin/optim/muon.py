@@ -71,8 +71,8 @@ from hf_galore_plugin.engines.fragments import (
     expert_elements,
     any_rank,
     fragments_of,
+    gather_fragment,
     is_placeholder,
-    sum_over_fragment,
     uniform_elementwise_state,
 )
 from hf_galore_plugin.optim.functional import adamw_step_fp32
@@ -331,9 +331,7 @@ class Muon(torch.optim.Optimizer):
             g, b = fragment.local(grad), fragment.local(buf)
             b.lerp_(g, 1.0 - mu)
             direction = g.lerp(b, mu) if group["nesterov"] else b
-            padded = torch.zeros(math.prod(fragment.shape), dtype=dtype, device=param.device)
-            padded[fragment.start : fragment.stop] = direction
-            whole = sum_over_fragment(padded, fragment)
+            whole = gather_fragment(direction, fragment)  # the matrix on every rank
             update = newton_schulz(
                 whole.view(fragment.shape),
                 group["ns_steps"],
