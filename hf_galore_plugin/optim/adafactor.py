@@ -293,17 +293,8 @@ class Adafactor(torch.optim.Optimizer):
                     exp_avg_sq = local_shard(state["exp_avg_sq"])
                     exp_avg_sq.mul_(beta2t).add_(squared, alpha=1.0 - beta2t)
                     update = exp_avg_sq.rsqrt().mul_(grad)
-                update.div_((_rms(update, param) / clip).clamp_(min=1.0))
-                update.mul_(lr_t)
-                if beta1 is not None:
-                    exp_avg = local_shard(state["exp_avg"])
-                    exp_avg.mul_(float(beta1)).add_(update, alpha=1.0 - float(beta1))
-                    update = exp_avg
-                if wd:
-                    work.add_(work * (-wd * lr_t))
-                work.sub_(update)
-                if work is not local:
-                    local.copy_(work)
+                exp_avg = local_shard(state["exp_avg"]) if beta1 is not None else None
+                _apply_update(update, _rms(update, param), clip, lr_t, exp_avg, beta1, wd, work, local)
         return loss
 
     def _init_fragment_state(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -404,17 +395,8 @@ class Adafactor(torch.optim.Optimizer):
             if not fragment.numel:
                 continue
             rms = square_sum[0].sqrt() / (math.prod(fragment.shape) ** 0.5)
-            update.div_((rms / clip).clamp_(min=1.0))
-            update.mul_(size)
-            if beta1 is not None:
-                exp_avg = fragment.local(state["exp_avg"].view(-1))
-                exp_avg.mul_(float(beta1)).add_(update, alpha=1.0 - float(beta1))
-                update = exp_avg
-            if wd:
-                work.add_(work * (-wd * size))
-            work.sub_(update)
-            if work is not target:
-                target.copy_(work)
+            exp_avg = fragment.local(state["exp_avg"].view(-1)) if beta1 is not None else None
+            _apply_update(update, rms, clip, size, exp_avg, beta1, wd, work, target)
         if state:
             state["step"] = step
 
@@ -577,6 +559,32 @@ class Adafactor(torch.optim.Optimizer):
             local_shard(t).numel() * t.element_size() for state in self.state.values() for v in state.values()
             for t in (v if isinstance(v, list) else [v]) if isinstance(t, torch.Tensor)
         )  # fmt: skip
+
+
+def _apply_update(
+    update: torch.Tensor,
+    rms: torch.Tensor,
+    clip: float,
+    size: float | torch.Tensor,
+    exp_avg: Optional[torch.Tensor],
+    beta1: Optional[float],
+    weight_decay: float,
+    work: torch.Tensor,
+    target: torch.Tensor,
+) -> None:
+    """The end of a step, after the unscaled update u = g / sqrt(v): clipped to RMS <= `clip` (`rms`: the whole
+    tensor's RMS of u), times the step `size`, through the first moment `exp_avg` with `beta1`, then decoupled
+    weight decay and the update applied to `work` (fp32), copied into `target` where `work` is a copy of it."""
+    update.div_((rms / clip).clamp_(min=1.0))
+    update.mul_(size)
+    if exp_avg is not None and beta1 is not None:
+        exp_avg.mul_(float(beta1)).add_(update, alpha=1.0 - float(beta1))
+        update = exp_avg
+    if weight_decay:
+        work.add_(work * (-weight_decay * size))
+    work.sub_(update)
+    if work is not target:
+        target.copy_(work)
 
 
 def _to_state(value: Any, device: torch.device) -> Any:

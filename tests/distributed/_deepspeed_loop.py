@@ -1,4 +1,4 @@
-"""The DeepSpeed training loop of sharded_galore.py (imported only there, after deepspeed is needed)."""
+"""The DeepSpeed training loop of sharded_galore.py and the engine it builds (zero_engine, also zero_resume.py's)."""
 
 import os
 import sys
@@ -20,7 +20,9 @@ from sharded_galore import ACCUMULATION, GLOBAL_BATCH, LR, WEIGHT_DECAY, check_b
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
-def train_deepspeed(model: nn.Module, stage: int, batches, world: int):
+def zero_engine(model: nn.Module, stage: int, world: int):
+    """A DeepSpeed engine of ZeRO `stage` over `model` with the plugin's optimizer, at sharded_galore.py's batch
+    and accumulation (no clipping)."""
     config = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world // ACCUMULATION,
@@ -31,6 +33,11 @@ def train_deepspeed(model: nn.Module, stage: int, batches, world: int):
     }
     optimizer = create_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def train_deepspeed(model: nn.Module, stage: int, batches, world: int):
+    engine = zero_engine(model, stage, world)
     galore_optimizer = DeepSpeedGaLoreOptimizer(engine)
     if os.environ.get("NO_MASTER_SYNC") == "1":
         galore_optimizer.param_changed = lambda param: None  # the bug the tests must catch: a stale master

@@ -12,35 +12,19 @@ import os
 import sys
 
 import deepspeed
-import deepspeed.comm.torch  # noqa: F401  (loads the module patched below)
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from _deepspeed_loop import zero_engine  # also skips DeepSpeed's shared-memory op build (gloo needs none)
 from _teardown import shut_down
-from sharded_galore import ACCUMULATION, GLOBAL_BATCH, LR, WEIGHT_DECAY, batches, build_model
+from sharded_galore import ACCUMULATION, batches, build_model
 
-from hf_galore_plugin import after_step, create_optimizer, merged_state_dict
+from hf_galore_plugin import after_step, merged_state_dict
 from hf_galore_plugin.engines.deepspeed import DeepSpeedGaLoreOptimizer
 from hf_galore_plugin.integrations.distributed import gathered_galore_state_dict, load_gathered_galore_state_dict
 
-sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # as _deepspeed_loop.py: gloo needs no shm op
-
 SAVE_AT = int(os.environ.get("SAVE_AT", 15))
-
-
-def engine_for(model: nn.Module, stage: int, world: int):
-    config = {
-        "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world // ACCUMULATION,
-        "gradient_accumulation_steps": ACCUMULATION,
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
-    }
-    optimizer = create_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    return engine
 
 
 def train(engine, model: nn.Module, galore_optimizer, steps) -> list[float]:
@@ -72,7 +56,7 @@ def main(out: str) -> None:
     folder = os.path.join(os.path.dirname(out), "checkpoint")
 
     model = build_model(preset, "std")
-    engine = engine_for(model, stage, world)
+    engine = zero_engine(model, stage, world)
     galore_optimizer = DeepSpeedGaLoreOptimizer(engine)
     train(engine, model, galore_optimizer, steps[:SAVE_AT])
     engine.save_checkpoint(folder, tag="saved")
@@ -81,7 +65,7 @@ def main(out: str) -> None:
     weights = final_weights(model)
 
     resumed_model = build_model(preset, "std")
-    resumed_engine = engine_for(resumed_model, stage, world)
+    resumed_engine = zero_engine(resumed_model, stage, world)
     load_first = os.environ.get("LOAD_FIRST") == "1"
     if not load_first:
         resumed_optimizer = DeepSpeedGaLoreOptimizer(resumed_engine)
