@@ -562,25 +562,13 @@ def test_fsdp1_views_orthogonalise_the_whole_factor_as_one_process(tmp_path, mod
     Newton-Schulz and keeps its elements, so 2 ranks train as one process (or DDP) does within the engines'
     tolerances; rank 0 keeps only its elements of the momenta; and a checkpoint of the optimizer (per rank, or
     FSDP1's optimizer state dict) resumes bit for bit."""
-    from distributed._fsdp1 import (
-        assert_matches_one_process,
-        assert_one_unit_layout,
-        assert_resumed_exactly,
-        fsdp1_run,
-        reference as reference_run,
-    )
+    from distributed._fsdp1 import assert_fsdp1_trains_as_reference
 
-    expected = reference_run("galore_muon", model, reference)
-    run = fsdp1_run(tmp_path, "galore_muon", model, RESUME_AT="12", CHECKPOINT=checkpoint)
-    if model == "one_unit":
-        assert_one_unit_layout(run["layouts"])
-    # Measured: losses within 1.3e-7 relative, weights within 2.4e-7 absolute.
-    assert_matches_one_process(expected, run)
-    assert_resumed_exactly(run)
-    # Momentum (Muon) and moments (AdamW on the biases and the last layer) sharded: measured 0.40 (one_unit), 0.85
-    # (blocks: rank 0 holds the factors and biases of every Block, rank 1 W0's rest and the last layer's half).
+    # Measured: losses within 1.3e-7 relative, weights within 2.4e-7 absolute. State: momentum (Muon) and moments
+    # (AdamW on the biases and the last layer) sharded: measured 0.40 (one_unit), 0.85 (blocks: rank 0 holds the
+    # factors and biases of every Block, rank 1 W0's rest and the last layer's half).
     bound = 0.6 if model == "one_unit" else 0.9
-    assert run["state_nbytes"] < bound * expected["state_nbytes"], (run["state_nbytes"], expected["state_nbytes"])
+    assert_fsdp1_trains_as_reference(tmp_path, "galore_muon", model, checkpoint, reference, bound)
 
 
 # ---------------------------------------------------------------------- the Trainer

@@ -49,10 +49,7 @@ def _check_fsdp1_state_dict_type(args: Any, name: str) -> None:
     not at the first resume."""
     if _fsdp_version(args) != 1:
         return
-    resolved = getattr(args, "fsdp_plugin_args", None)
-    fsdp_config = getattr(args, "fsdp_config", None) or {}
-    state_dict_type = (resolved or {}).get("state_dict_type") if isinstance(resolved, dict) else None
-    state_dict_type = state_dict_type or fsdp_config.get("state_dict_type", "FULL_STATE_DICT")
+    state_dict_type = _fsdp_setting(args, "state_dict_type", "FULL_STATE_DICT")
     if str(state_dict_type).upper() != "SHARDED_STATE_DICT":
         raise ValueError(
             f"optim={name!r} under FSDP1 checkpoints its optimizer state as SHARDED_STATE_DICT only (got "
@@ -64,15 +61,25 @@ def _check_fsdp1_state_dict_type(args: Any, name: str) -> None:
 
 
 def _fsdp_version(args: Any) -> int:
-    """The FSDP version `args` configure: what TrainingArguments resolved (``fsdp_plugin_args``), else the
-    ``fsdp_config`` entry (TrainingArguments strip its ``fsdp_`` prefix: "version"), else 1 (FSDP1, whose
-    refusals are the wider: an unknown version is not let through as FSDP2)."""
+    """The FSDP version `args` configure (:func:`_fsdp_setting`), 1 (FSDP1, whose refusals are the wider: an
+    unknown version is not let through as FSDP2) where none is set."""
+    return 2 if str(_fsdp_setting(args, "version", 1)) == "2" else 1
+
+
+def _fsdp_setting(args: Any, key: str, default: Any) -> Any:
+    """An FSDP setting of `args`: what TrainingArguments resolved (``fsdp_plugin_args``, accelerate's names:
+    "fsdp_version", "state_dict_type"), else the ``fsdp_config`` entry (TrainingArguments strip its keys'
+    ``fsdp_`` prefix: "version"; either spelling is read), else `default`."""
     resolved = getattr(args, "fsdp_plugin_args", None)
-    if isinstance(resolved, dict) and resolved.get("fsdp_version") is not None:
-        return 2 if str(resolved["fsdp_version"]) == "2" else 1
+    if isinstance(resolved, dict):
+        for name in (key, f"fsdp_{key}"):
+            if resolved.get(name) is not None:
+                return resolved[name]
     fsdp_config = getattr(args, "fsdp_config", None) or {}
-    version = fsdp_config.get("version", fsdp_config.get("fsdp_version", 1))
-    return 2 if str(version) == "2" else 1
+    for name in (key, f"fsdp_{key}"):
+        if fsdp_config.get(name) is not None:
+            return fsdp_config[name]
+    return default
 
 
 def wrap_init(original: Callable) -> Callable:

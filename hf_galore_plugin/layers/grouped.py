@@ -31,6 +31,7 @@ offsets), whose eager body asks the stack whether it is due.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Optional
 
@@ -47,11 +48,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def offsets_of(counts: list[int], device: torch.device) -> torch.Tensor:
     """The int32 cumulative row counts of experts receiving `counts[e]` rows each."""
-    running, offsets = 0, []
-    for count in counts:
-        running += count
-        offsets.append(running)
-    return torch.tensor(offsets, dtype=torch.int32, device=device)
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -78,14 +75,19 @@ def _loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, weight_form: boo
     return out
 
 
+def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, weight_form: bool) -> torch.Tensor:
+    """torch's grouped kernel on operands it takes (:func:`_aligned`), or the loop for a dtype it lacks."""
+    if a.dtype not in _KERNEL_DTYPES or a.dtype != b.dtype:
+        return _loop(a, b, offs, weight_form=weight_form)
+    out = torch._grouped_mm(_aligned(a), _aligned(b), offs=offs)
+    return out if out.is_contiguous() else out.contiguous()  # a narrow output comes back padded
+
+
 @torch.library.custom_op("hf_galore::grouped_mm", mutates_args=())
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows ``offs[e-1]:offs[e]`` of `a` (S x k) times `b[e]` (k x n): S x n. Rows from ``offs[-1]`` on are
     not written (any value)."""
-    if a.dtype not in _KERNEL_DTYPES or a.dtype != b.dtype:
-        return _loop(a, b, offs, weight_form=False)
-    out = torch._grouped_mm(_aligned(a), _aligned(b), offs=offs)
-    return out if out.is_contiguous() else out.contiguous()  # a narrow output comes back padded
+    return _grouped(a, b, offs, weight_form=False)
 
 
 @grouped_mm.register_fake
@@ -97,10 +99,7 @@ def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
 def grouped_mm_t(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per expert e, columns ``offs[e-1]:offs[e]`` of `a` (k x S) times the same rows of `b` (S x n): E x k x n
     (zeros for an expert without rows; columns and rows from ``offs[-1]`` on are not read)."""
-    if a.dtype not in _KERNEL_DTYPES or a.dtype != b.dtype:
-        return _loop(a, b, offs, weight_form=True)
-    out = torch._grouped_mm(_aligned(a), _aligned(b), offs=offs)
-    return out if out.is_contiguous() else out.contiguous()
+    return _grouped(a, b, offs, weight_form=True)
 
 
 @grouped_mm_t.register_fake

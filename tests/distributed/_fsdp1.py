@@ -56,3 +56,18 @@ def assert_resumed_exactly(run: dict) -> None:
     """The run resumed from its checkpoint at RESUME_AT ended bit for bit where the straight run did."""
     for key, value in run["weights"].items():
         assert torch.equal(run["resumed"][key], value), key
+
+
+def assert_fsdp1_trains_as_reference(
+    tmp_path: Path, preset: str, model: str, checkpoint: str, reference_engine: str, state_bound: float
+) -> None:
+    """`preset` under FSDP1 on `model` against `reference_engine` ('single' or 'ddp'): the one-unit layout (a
+    factor cut inside a row, a rank holding none of one), the engines' tolerances, a bit-exact resume from
+    `checkpoint` at step 12, and rank 0's state below `state_bound` times the reference's."""
+    expected = reference(preset, model, reference_engine)
+    run = fsdp1_run(tmp_path, preset, model, RESUME_AT="12", CHECKPOINT=checkpoint)
+    if model == "one_unit":
+        assert_one_unit_layout(run["layouts"])
+    assert_matches_one_process(expected, run)
+    assert_resumed_exactly(run)
+    assert run["state_nbytes"] < state_bound * expected["state_nbytes"], (run["state_nbytes"], expected["state_nbytes"])
