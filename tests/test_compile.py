@@ -175,29 +175,37 @@ def test_moe_expert_stacks_compile_from_step_zero_without_breaks_or_recompiles(p
     assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-5)
 
 
-def test_compiled_moe_quantized_w0_is_read_again_in_the_backward_not_saved_from_the_forward():
-    """Inductor, MoE expert stacks with an INT8 W0: autograd keeps no dequantized E x m x n stack from the
-    forward for the backward (the stack's W0 is read inside a checkpointed region, read again in the backward)."""
-    from test_experts import qwen3_moe
-
+def _saved_by_a_compiled_quantized_step(model, vocab: int) -> list[torch.Tensor]:
+    """What autograd keeps from an inductor-compiled forward for the backward: `model` (prepared, quantized W0)
+    compiled, trained through its calibration and an ordinary step, then one more forward, whose saved tensors
+    are returned (after its backward)."""
     torch._dynamo.reset()
-    config = hgp.GaLoreConfig.preset("qgalore_adamw_8bit", rank=8, update_proj_gap=100, experts=True)
-    model = hgp.prepare_model(qwen3_moe(0, num_hidden_layers=1), config)
     optimizer = hgp.create_optimizer(model, lr=1e-3)
     forward = torch.compile(model)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(2):  # calibration, then an ordinary step
         forward(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         hgp.after_step(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
-    stacks = {(layer.num_experts, layer.out_features, layer.in_features) for layer in
-              (layer for _, layer in iter_galore_layers(model)) if hasattr(layer, "num_experts")}  # fmt: skip
-    assert stacks and all(layer.weight is None for _, layer in iter_galore_layers(model))  # W0 quantized
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = forward(input_ids=ids, labels=ids).loss
     loss.backward()
+    return saved
+
+
+def test_compiled_moe_quantized_w0_is_read_again_in_the_backward_not_saved_from_the_forward():
+    """Inductor, MoE expert stacks with an INT8 W0: autograd keeps no dequantized E x m x n stack from the
+    forward for the backward (the stack's W0 is read inside a checkpointed region, read again in the backward)."""
+    from test_experts import qwen3_moe
+
+    config = hgp.GaLoreConfig.preset("qgalore_adamw_8bit", rank=8, update_proj_gap=100, experts=True)
+    model = hgp.prepare_model(qwen3_moe(0, num_hidden_layers=1), config)
+    stacks = {(layer.num_experts, layer.out_features, layer.in_features) for layer in
+              (layer for _, layer in iter_galore_layers(model)) if hasattr(layer, "num_experts")}  # fmt: skip
+    assert stacks and all(layer.weight is None for _, layer in iter_galore_layers(model))  # W0 quantized
+    saved = _saved_by_a_compiled_quantized_step(model, vocab=128)
     dense = [tuple(t.shape) for t in saved if t.is_floating_point() and tuple(t.shape) in stacks]
     assert dense == [], f"dequantized expert W0 kept for the backward: {dense}"
 
@@ -207,23 +215,11 @@ def test_compiled_quantized_w0_is_read_again_in_the_backward_not_saved_from_the_
     """Inductor, quantized W0: what autograd keeps from the forward for the backward holds the layers' W0 as
     its codes (the 1-byte codes for int8; 4-bit bytes for nf4), never a dequantized fp32 m x n copy, which would
     cost at every step the memory quantizing W0 saves. 32 tokens, so no activation has a W0's shape."""
-    torch._dynamo.reset()
     model = build_tiny_llama(seed=0, num_hidden_layers=1)
     config = hgp.GaLoreConfig.preset("qgalore_adamw_8bit", rank=8, update_proj_gap=100, weight_storage=weight_storage)
     model = hgp.prepare_model(model, config)
-    optimizer = hgp.create_optimizer(model, lr=1e-3)
-    forward = torch.compile(model)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):  # calibration, then an ordinary step
-        forward(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        hgp.after_step(model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
+    saved = _saved_by_a_compiled_quantized_step(model, vocab=256)
     shapes = {(layer.out_features, layer.in_features) for _, layer in iter_galore_layers(model)}
-    saved: list[torch.Tensor] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = forward(input_ids=ids, labels=ids).loss
-    loss.backward()
     dense = [tuple(t.shape) for t in saved if t.is_floating_point() and tuple(t.shape) in shapes]
     assert dense == [], f"dequantized W0 kept for the backward: {dense}"
     code_sizes = {t.numel() for t in saved if t.dtype in (torch.int8, torch.uint8)}
