@@ -16,12 +16,13 @@ Muon and Adafactor (``galore_muon``, ``galore_adafactor``) compute over each mat
 :func:`register_fsdp1_fragments` registers on every trainable original parameter of every sharded unit which
 elements of its matrix the rank's view holds (elements [start, stop) of the parameter flattened row-major,
 possibly none; :mod:`hf_galore_plugin.engines.fragments`), with the unit's process group. The registration
-is an attribute of the Parameter object, which FSDP1 keeps while it re-points its ``.data``. The optimizers
+is keyed by the Parameter object, which FSDP1 keeps while it re-points its ``.data``. The optimizers
 step each view in parameter order, the same on every rank, with collectives over the unit's group: Muon
 all-reduces the matrix it orthogonalises (zeros outside each rank's elements: one all-reduce of the factor's
 size per factor and step), runs Newton-Schulz on it on every rank and keeps its elements; Adafactor
-all-reduces the partial row and column sums of the squared gradient (the factor's m + r values, with a
-gradient flag) and the update's sum of squares, two small all-reduces per matrix and step. Elementwise state
+all-reduces the partial row and column sums of the squared gradient (the factor's m + r values) and the
+update's sum of squares, two small all-reduces per matrix and step; whether a view steps is one all-reduced
+flag per view and step (a rank without elements has no gradient). Elementwise state
 (Muon's momentum, Adafactor's first moment, a vector's second moment) is sharded as the view is; Adafactor's
 row and column statistics are whole on every rank holding elements of the matrix. Every parameter, not only
 the factors: Adafactor factors every matrix and clips each update by its whole RMS, as one process does.
