@@ -12,14 +12,14 @@
 - :mod:`.expert_refresh`, :mod:`.experts`: the expert stacks of mixture-of-experts models and their refresh.
 """
 
-from .function import DequantizedBaseLinear, galore_linear
+from .function import WrittenOutLinear, galore_linear
 from .linear import GaLoreLinear
 from .schedule import assign_refresh_phases, pack_refresh_phases, refresh_phase_capacity
 from .storage import StoredTensor
 
 __all__ = [
     "GaLoreLinear",
-    "DequantizedBaseLinear",
+    "WrittenOutLinear",
     "galore_linear",
     "StoredTensor",
     "assign_refresh_phases",

@@ -8,21 +8,21 @@ work, the two fixed costs a GPU waits for:
 - The scale is not applied here: the layer folds it into one stored basis (``scale * Q``, see
   :mod:`.linear`) and passes ``scale=1``; only a layer without a stored basis (identity sides) passes its
   scale, which then multiplies the small factor B (r x m values, not N x m).
-- W0 as loaded: the forward is the thin GEMMs of the low-rank branch and one ``addmm`` that forms
-  ``alpha * x W0^T`` and adds the branch (no pass over the activations for alpha or the sum). The
-  backward is autograd's own (C++, no Python per layer): W0 does not require a gradient, so the weight
-  GEMM of W0 is skipped and no m x n tensor is formed; dB = (dy P)^T (x Q) comes from the branch's GEMMs,
-  and ``x Q`` (N x r) is what autograd saves for it. A hand-written backward would save one op per layer
-  (the sum of the two dX terms) but costs more CPU time than it does as a Python autograd function
-  (measured: docs/benchmarks/step-time.md).
-- W0 stored quantized: :class:`DequantizedBaseLinear`, the whole layer as one autograd node. This path
-  needs a Python function anyway (its backward dequantizes W0 again rather than keeping the m x n copy
-  from the forward, which would cost what quantizing saved), so its backward is written out: alpha and
-  scale are the GEMMs' ``alpha``/``beta``, the last GEMM sums dX, ``x Q`` is saved from the forward. From
-  FORM_MIN_TOKENS tokens, where they outnumber what it costs (:func:`_form`: counted multiply-adds), the
-  forward and dX go through W = alpha W0 + scale P B Q^T formed in the dequantized copy of W0 (one
-  ``addmm_`` into a temporary that exists anyway, then one GEMM over the tokens) instead of the branch's
-  GEMMs over the tokens.
+- :class:`WrittenOutLinear`, the whole layer as one autograd node with a written-out backward: alpha
+  and scale are the GEMMs' ``alpha``/``beta``, the branch's last GEMM adds its product into the output of
+  the W0 GEMM in place (forward: y; backward: dX), so no N x m or N x n temporary is written and read
+  again for a sum, and ``x Q`` is saved from the forward. A W0 stored quantized always takes it: its
+  backward dequantizes W0 again rather than keeping the m x n copy from the forward (which would cost
+  what quantizing saved), and from FORM_MIN_TOKENS tokens, where they outnumber what it costs
+  (:func:`_form`: counted multiply-adds), the forward and dX go through W = alpha W0 + scale P B Q^T formed
+  in the dequantized copy (one ``addmm_`` into a temporary that exists anyway, then one GEMM over the
+  tokens) instead of the branch's GEMMs over the tokens.
+- W0 as loaded takes the node from WRITTEN_OUT_MIN_VALUES activation values per call (tokens times the
+  larger side), where the passes it saves outweigh its Python; below that, autograd's own ops (C++, no
+  Python per layer): the thin GEMMs of the branch and one ``addmm`` that forms ``alpha * x W0^T`` and adds
+  the branch, the backward derived. Either way W0 does not require a gradient, so the weight GEMM of W0
+  is skipped and no m x n tensor is formed, and a plain W0 is read as it is, never formed into (the copy
+  forming needs costs more than the fold saves: docs/benchmarks/step-time.md).
 
 Rounding: a scale folded into a basis is exact for the presets' power-of-two scales and rounded once into
 the basis otherwise; the GEMMs' ``alpha``/``beta`` round inside the GEMM; a formed W is rounded once into
@@ -41,7 +41,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DequantizedBaseLinear", "galore_linear", "recorder", "register_recorder"]
+__all__ = ["WrittenOutLinear", "galore_linear", "recorder", "register_recorder"]
 
 # The ``input`` of an addmm with beta=0: BLAS ignores it, broadcasting needs only a 0-d tensor. One per
 # (device, dtype), made once, so a GEMM scaled by alpha allocates no zeros.
@@ -132,17 +132,17 @@ def _record_tap_backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.T
 record_tap.register_autograd(_record_tap_backward, setup_context=_record_tap_setup)
 
 
-class DequantizedBaseLinear(torch.autograd.Function):
-    """The whole layer, ``bias + alpha * x W0^T + scale * x Q B^T P^T``, for a W0 stored quantized.
+class WrittenOutLinear(torch.autograd.Function):
+    """The whole layer, ``bias + alpha * x W0^T + scale * x Q B^T P^T``, as one autograd node.
 
-    `read(dtype)` dequantizes W0, in the forward and again in the backward (the m x n copy is never kept
-    across the step). One autograd node with a hand-written backward, because this path pays a Python
-    function anyway: alpha and scale are the ``alpha``/``beta`` of the GEMMs (no pass over activations,
-    no ``scale * B``), ``x Q`` is saved from the forward, and the two contributions to dX are summed by the
-    last GEMM instead of a separate add. Forward: ``x Q``, the branch's GEMMs (the last one adds the bias),
-    one ``addmm`` with W0; backward: dB, the branch back to dX, one ``addmm`` with W0. With many tokens
-    either pass instead forms W in the dequantized W0 (``read`` returns a fresh copy nothing else holds)
-    and makes one GEMM over the tokens with it.
+    W0: a plain `weight`, saved for the backward as autograd's own GEMM would save it and cast to `dtype` in
+    each pass where it differs; or, `weight` None, quantized: `read(dtype)` dequantizes a copy, in the forward
+    and again in the backward (never kept across the step). alpha and scale
+    are the ``alpha``/``beta`` of the GEMMs (no pass over activations, no ``scale * B``), ``x Q`` is saved
+    from the forward, and the branch's last GEMM adds into the W0 GEMM's output in place. Forward: ``x Q``,
+    the W0 GEMM (with the bias), the branch's GEMMs, the last accumulating; backward: dB, the W0 GEMM for
+    dX, the branch back into it. With many tokens a quantized W0's passes instead form W in the dequantized
+    copy (nothing else holds it) and make one GEMM over the tokens with it.
 
     `x`: (..., n), flattened to N x n inside, so the leading dimensions cost no autograd view nodes (the
     output is (..., m), made with ``_unsafe_view``: a tensor of its own for autograd, so a caller may modify
@@ -152,33 +152,34 @@ class DequantizedBaseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, factor: torch.Tensor, bias: Optional[torch.Tensor],
-                read: Callable[[torch.dtype], torch.Tensor], p: Optional[torch.Tensor], q: Optional[torch.Tensor],
-                alpha: float, scale: float, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+                weight: Optional[torch.Tensor], read: Callable[[torch.dtype], torch.Tensor],
+                p: Optional[torch.Tensor], q: Optional[torch.Tensor], alpha: float, scale: float,
+                dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         xc = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if xc.dtype != dtype:
             xc = xc.to(dtype)
         b = factor if factor.dtype == dtype else factor.to(dtype)
         t = xc if q is None else xc @ q
         bias_c = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
-        if xc.shape[0] >= FORM_MIN_TOKENS and _form(xc.shape[0], b.shape, p, q, backward=False):
+        if weight is None and xc.shape[0] >= FORM_MIN_TOKENS and _form(xc.shape[0], b.shape, p, q, backward=False):
             # Many tokens: the branch's GEMMs over them cost more than folding B into the dequantized W0.
-            weight = _effective_into(read(dtype), b, p, q, alpha, scale)
-            y = xc @ weight.mT if bias_c is None else torch.addmm(bias_c, xc, weight.mT)
-            del weight
+            formed = _effective_into(read(dtype), b, p, q, alpha, scale)
+            y = xc @ formed.mT if bias_c is None else torch.addmm(bias_c, xc, formed.mT)
+            del formed
         else:
             if p is None:
                 u, last = t, b.mT
             else:
                 u, last = t @ b.mT, p.mT
+            base = read(dtype) if weight is None else _cast(weight, dtype)
             if bias_c is None:
-                # scale is 1 for every layer with a stored basis (folded): a plain GEMM, no zero input to expand
-                low = u @ last if scale == 1.0 else torch.addmm(_zero(u), u, last, beta=0, alpha=scale)
+                y = xc @ base.mT
+                y.addmm_(u, last, beta=alpha, alpha=scale)
             else:
-                low = torch.addmm(bias_c, u, last, alpha=scale)
-            base = read(dtype)
-            y = torch.addmm(low, xc, base.mT, alpha=alpha)
-            del base  # freed here, one layer at a time
-        ctx.save_for_backward(t, b, p, q)
+                y = torch.addmm(bias_c, xc, base.mT, alpha=alpha)
+                y.addmm_(u, last, alpha=scale)
+            del base  # a dequantized copy is freed here, one layer at a time
+        ctx.save_for_backward(t, b, p, q, weight)
         ctx.read, ctx.alpha, ctx.scale = read, alpha, scale
         ctx.dtypes = (x.dtype, factor.dtype, None if bias is None else bias.dtype)
         ctx.x_shape = x.shape
@@ -186,7 +187,7 @@ class DequantizedBaseLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
-        t, b, p, q = ctx.saved_tensors
+        t, b, p, q, weight = ctx.saved_tensors
         x_dtype, factor_dtype, bias_dtype = ctx.dtypes
         needs_x, needs_factor, needs_bias = ctx.needs_input_grad[:3]
         if dy.dim() != 2:
@@ -201,14 +202,12 @@ class DequantizedBaseLinear(torch.autograd.Function):
             if grad_factor.dtype != factor_dtype:
                 grad_factor = grad_factor.to(factor_dtype)
         if needs_x:
-            base = ctx.read(dy.dtype)
-            if dy.shape[0] >= FORM_MIN_TOKENS and _form(dy.shape[0], b.shape, p, q, backward=True):
+            base = ctx.read(dy.dtype) if weight is None else _cast(weight, dy.dtype)
+            if weight is None and dy.shape[0] >= FORM_MIN_TOKENS and _form(dy.shape[0], b.shape, p, q, backward=True):
                 grad_x = dy @ _effective_into(base, b, p, q, ctx.alpha, scale)
             else:
-                low = du @ b
-                if q is not None:
-                    low = low @ q.mT
-                grad_x = torch.addmm(low, dy, base, beta=scale, alpha=ctx.alpha)
+                grad_x = dy @ base
+                grad_x.addmm_(du if q is None else du @ b, b if q is None else q.mT, beta=ctx.alpha, alpha=scale)
             del base
             if grad_x.dtype != x_dtype:
                 grad_x = grad_x.to(x_dtype)
@@ -218,8 +217,15 @@ class DequantizedBaseLinear(torch.autograd.Function):
             grad_bias = dy.sum(0)
             if grad_bias.dtype != bias_dtype:
                 grad_bias = grad_bias.to(bias_dtype)
-        return grad_x, grad_factor, grad_bias, None, None, None, None, None, None
+        return grad_x, grad_factor, grad_bias, None, None, None, None, None, None, None
 
+
+# A plain W0 takes WrittenOutLinear from this many activation values per call (tokens x the larger of the layer's
+# two sides); below it autograd's ops. The node saves passes over activations (the sums of the two terms of y and
+# of dX as separate tensors) and costs its Python (measured on one CPU thread, 2026-12-04: ~18 us a layer in a
+# whole model's forward at hidden 64, 1 x 32 tokens, 7% of the step; from 2^17 values a layer alone is 4-6%
+# faster with the node, docs/benchmarks/step-time.md).
+WRITTEN_OUT_MIN_VALUES = 1 << 17
 
 # Below this many tokens per call the branch is kept: the fold would save a few percent of the layer's small
 # GEMMs, and one formulation for every small batch keeps runs that split a batch differently (data-parallel
@@ -283,11 +289,14 @@ def galore_linear(
     the same once the node that reads W0 has run its backward (a post hook of that node), so it may write W0.
     `traced_record` (compiled code, on a step where the model records): (recorder id, part) for the record ops.
     """
-    if weight is None and not isinstance(alpha, torch.Tensor):
+    if not isinstance(alpha, torch.Tensor) and (
+        weight is None
+        or (not weight.requires_grad and x.numel() // x.shape[-1] * max(weight.shape) >= WRITTEN_OUT_MIN_VALUES)
+    ):
         dtype = (p if p is not None else q if q is not None else x).dtype
         if p is None and q is None and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-        y = DequantizedBaseLinear.apply(x, factor, bias, read_weight, p, q, alpha, scale, dtype)
+        y = WrittenOutLinear.apply(x, factor, bias, weight, read_weight, p, q, alpha, scale, dtype)
         if record is not None and y.requires_grad:
             y.register_hook(lambda dy: record(dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])))
         if residual is not None and y.requires_grad:
@@ -308,7 +317,7 @@ def galore_linear(
     if isinstance(alpha, torch.Tensor):
         # Traced (torch.compile): the multiplier as a tensor, a graph input rather than a constant to
         # specialise on; the compiler fuses the scaling. A quantized W0 is read inside a checkpointed region,
-        # so the backward reads it again from its codes (as DequantizedBaseLinear does eagerly): otherwise the
+        # so the backward reads it again from its codes (as WrittenOutLinear does eagerly): otherwise the
         # compiler saves every layer's dequantized m x n copy from the forward to the backward, the memory
         # that quantizing W0 saves (tests/test_compile.py counts what the graph saves).
         base = weight if weight is not None else checkpoint(read_weight, h.dtype, use_reentrant=False)
@@ -321,6 +330,11 @@ def galore_linear(
     if residual is not None and y.requires_grad:
         _after_backward(y, residual, x2)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A plain W0 in `dtype`: itself, or a cast where it differs (as autocast casts a weight for each GEMM)."""
+    return weight if weight.dtype == dtype else weight.to(dtype)
 
 
 def _after_backward(y: torch.Tensor, residual: Callable[[torch.Tensor, torch.Tensor], None], x2: torch.Tensor) -> None:

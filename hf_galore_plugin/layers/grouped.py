@@ -185,7 +185,7 @@ READ_BUDGET_BYTES = 64 * 2**20
 class _QuantizedBase(torch.autograd.Function):
     """alpha-free ``x_e W0_e^T`` for a W0 stored quantized, eagerly: `read(dtype)` dequantizes the stack, and
     `read_expert(e, dtype)` expert e's slice, in the forward and again in the backward (no dequantized copy is
-    kept across the step, as :class:`~.function.DequantizedBaseLinear` does for a linear layer); the whole stack
+    kept across the step, as :class:`~.function.WrittenOutLinear` does for a linear layer); the whole stack
     at once up to READ_BUDGET_BYTES, else experts in groups within it."""
 
     @staticmethod
