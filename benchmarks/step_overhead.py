@@ -7,6 +7,7 @@
                                                   # step 0 (refreshes every 10 steps), side by side
     python benchmarks/step_overhead.py --device cuda   # on a GPU: CPU time = the host work the GPU waits for
     python benchmarks/step_overhead.py --residual # each preset also with residual=True (Fira), side by side
+    python benchmarks/step_overhead.py --autograd # each preset also with a plain W0 through autograd's ops at any size
 
 At small shapes a step is dominated by per-op, per-layer host work (Python, the dispatcher, kernel
 launches); on a GPU that host work is what the device waits for. Three measures that do not move with
@@ -56,6 +57,10 @@ FLOORS = ("floor_lowrank", "floor_quantized")
 METHODS = ("adamw_fused", "galore_torch", *OURS, *FLOORS)
 # --residual: a row "<preset>+residual" after each preset's, the preset with GaLoreConfig.residual=True.
 RESIDUAL = "+residual"
+# --autograd: a row "<preset>+autograd" after each preset's, its plain-W0 layers through autograd's own ops at every
+# size (hf_galore_plugin.layers.function.WRITTEN_OUT_MIN_VALUES raised past any call for that row's steps), so the
+# one-node layer that larger calls take is compared with the derived backward side by side.
+AUTOGRAD = "+autograd"
 PHASES = ("forward", "backward", "optimizer", "after_step")
 # --compile: a row "<method> compiled" after each method's, the same method through torch.compile(model).
 COMPILED = " compiled"
@@ -124,10 +129,12 @@ class Runner:
         self.graphs = self.breaks = 0  # Dynamo's, over this runner's steps (compiled runners)
         self.gap = gap
         residual = method.endswith(RESIDUAL)
-        if residual:
-            method = method[: -len(RESIDUAL)]
-            if method not in OURS:
-                raise ValueError(f"{method}{RESIDUAL}: the residual is a setting of {', '.join(OURS)}")
+        self.autograd = method.endswith(AUTOGRAD)
+        for suffix, flag in ((RESIDUAL, residual), (AUTOGRAD, self.autograd)):
+            if flag:
+                method = method[: -len(suffix)]
+                if method not in OURS:
+                    raise ValueError(f"{method}{suffix}: a setting of {', '.join(OURS)}")
         self.model = build_model(size).to(device)
         self.after: Callable[[], None] = lambda: None
         params = list(self.model.parameters())
@@ -190,11 +197,19 @@ class Runner:
             from torch._dynamo.utils import counters
 
             graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-        t0 = time.thread_time()
-        loss = self.forward(input_ids=tokens, labels=tokens).loss
-        t1 = time.thread_time()
-        loss.backward()
-        t2 = time.thread_time()
+        from hf_galore_plugin.layers import function
+
+        threshold = function.WRITTEN_OUT_MIN_VALUES
+        if self.autograd:
+            function.WRITTEN_OUT_MIN_VALUES = sys.maxsize
+        try:
+            t0 = time.thread_time()
+            loss = self.forward(input_ids=tokens, labels=tokens).loss
+            t1 = time.thread_time()
+            loss.backward()
+            t2 = time.thread_time()
+        finally:
+            function.WRITTEN_OUT_MIN_VALUES = threshold
         self.optimizer.step()
         t3 = time.thread_time()
         self.after()
@@ -204,6 +219,13 @@ class Runner:
             self.graphs += counters["stats"]["unique_graphs"] - graphs
             self.breaks += sum(counters["graph_break"].values()) - breaks
         return phases
+
+
+def _quantized_w0(preset: str) -> bool:
+    """Whether `preset` stores W0 quantized (its layers always take the one-node layer: no '+autograd' row)."""
+    import hf_galore_plugin as hgp
+
+    return hgp.GaLoreConfig.preset(preset).weight_storage != "as_loaded"
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,7 +248,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     methods = [
         m
         for method in args.methods
-        for m in ((method, method + RESIDUAL) if args.residual and method in OURS else (method,))
+        for m in (
+            (method, *(method + suffix for suffix, on in ((RESIDUAL, args.residual), (AUTOGRAD, args.autograd)) if on))
+            if method in OURS
+            else (method,)
+        )
+        if not (m.endswith(AUTOGRAD) and _quantized_w0(method))
     ]
     runners = [
         Runner(method, size, args.rank, args.device, gap=args.gap, compiled=compiled)
@@ -364,6 +391,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="update_proj_gap of every GaLore method (default: longer than the run, no refreshes)")  # fmt: skip
     parser.add_argument("--residual", action="store_true",
                         help="also run each of our presets with residual=True (Fira's residual), as '<preset>+residual'")  # fmt: skip
+    parser.add_argument("--autograd", action="store_true",
+                        help="also run each of our presets with a plain W0 through autograd's own ops at every size (not "
+                             "the one-node layer of larger calls), as '<preset>+autograd'")  # fmt: skip
     parser.add_argument("--out", type=pathlib.Path, help="also write the result as JSON here")
     args = parser.parse_args(argv)
     if args.quick:

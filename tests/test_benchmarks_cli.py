@@ -407,6 +407,20 @@ def test_step_overhead_counts_ops_and_times_every_method(tmp_path, compiled):
     assert f"| `{methods[-1]}` |" in proc.stdout
 
 
+def test_step_overhead_autograd_rows_take_the_derived_backward(tmp_path):
+    """--autograd adds '<preset>+autograd' rows whose plain-W0 layers go through autograd's ops at any size: at 64 x 64
+    tokens (above WRITTEN_OUT_MIN_VALUES for every layer of the tiny Llama) the preset's own row takes the one-node
+    layer, one op fewer per layer than the derived backward's sum of the two dX terms."""
+    out = tmp_path / "step_overhead.json"
+    args = [sys.executable, "benchmarks/step_overhead.py", "--rounds", "1", "--batch", "64", "--seq-len", "64",
+            "--autograd", "--out", str(out), "--methods", "adamw_fused", "galore_adamw"]  # fmt: skip
+    _run(args, tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["adamw_fused", "galore_adamw", "galore_adamw+autograd"]
+    node, derived = rows["galore_adamw"]["extra_ops_per_layer"], rows["galore_adamw+autograd"]["extra_ops_per_layer"]
+    assert derived - node == pytest.approx(1.0, abs=0.05), (node, derived)
+
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["plain", "quantized"])
 def test_floor_layer_matches_its_dense_layer(quantized):
     """The reference rows of step_overhead.py (benchmarks/_floor.py) train what a GaLore layer trains: output,
