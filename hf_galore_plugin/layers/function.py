@@ -222,9 +222,9 @@ class WrittenOutLinear(torch.autograd.Function):
 
 # A plain W0 takes WrittenOutLinear from this many activation values per call (tokens x the larger of the layer's
 # two sides); below it autograd's ops. The node saves passes over activations (the sums of the two terms of y and
-# of dX as separate tensors) and costs its Python (measured on one CPU thread, 2026-12-04: ~18 us a layer in a
-# whole model's forward at hidden 64, 1 x 32 tokens, 7% of the step; from 2^17 values a layer alone is 4-6%
-# faster with the node, docs/benchmarks/step-time.md).
+# of dX as separate tensors) and costs its Python per layer: with it every layer of the tiny Llama at 1 x 32 tokens
+# made the step 7% slower (~18 us a layer), while from 1024 tokens (its MLP layers above this count) the step is
+# 2-3% faster than with autograd's ops (`benchmarks/step_overhead.py --autograd`, docs/benchmarks/step-time.md).
 WRITTEN_OUT_MIN_VALUES = 1 << 17
 
 # Below this many tokens per call the branch is kept: the fold would save a few percent of the layer's small
