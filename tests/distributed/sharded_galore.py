@@ -26,6 +26,20 @@ from hf_galore_plugin import GaLoreConfig, after_step, create_optimizer, galore_
 from hf_galore_plugin.layers.linear import COUNTER_NAMES
 
 STEPS = int(os.environ.get("STEPS", 30))
+# WRITTEN_OUT_MIN_VALUES: the activation count from which a plain-W0 layer runs as one autograd node (0: every
+# layer, whose calls here are far below the default); the run counts the node's calls as "written_out".
+NODE_CALLS = [0]
+if "WRITTEN_OUT_MIN_VALUES" in os.environ:
+    from hf_galore_plugin.layers import function
+
+    function.WRITTEN_OUT_MIN_VALUES = int(os.environ["WRITTEN_OUT_MIN_VALUES"])
+    _apply = function.WrittenOutLinear.apply
+
+    def _counted(*args):
+        NODE_CALLS[0] += 1
+        return _apply(*args)
+
+    function.WrittenOutLinear.apply = _counted
 GLOBAL_BATCH, ACCUMULATION, WEIGHT_DECAY = 16, 2, 0.01
 # SCALE: 0.25 (one scale for every layer) or 'auto' (each layer's sqrt(projected side / rank), about 2-3 here).
 # The weight tolerances of the engine comparisons are counted at the step size of scale 0.25 and lr 1e-2, so a
@@ -192,6 +206,7 @@ def main(out: str) -> None:
                 "weights": weights,
                 "multipliers": multipliers,
                 "scales": scales,
+                "written_out": NODE_CALLS[0],
             },
             out,
         )
