@@ -112,6 +112,28 @@ def test_forward_and_gradients_match_dense_linear(proj_type, shape, weight_stora
     assert layer.weight is None or layer.weight.grad is None  # the W0 weight-gradient GEMM is skipped
 
 
+@pytest.mark.parametrize("tokens", [6, 8192], ids=["autograd_ops", "one_node"])
+def test_a_w0_view_that_requires_a_gradient_gets_none(tokens):
+    """An engine may hand a layer its frozen W0 as a view of a parameter that requires a gradient (FSDP1 with
+    use_orig_params: a view of the unit's flat parameter, which holds the factor too). The layer detaches it, on
+    either path, so no gradient (and no weight-gradient GEMM) reaches the flat parameter, and the output and dX are
+    those of the plain W0."""
+    torch.manual_seed(0)
+    m, n, r = 24, 16, 4
+    flat = torch.randn(m * n + m * r, requires_grad=True)
+    weight, factor = flat[: m * n].view(m, n), flat[m * n :].view(m, r)
+    q = torch.linalg.qr(torch.randn(n, r))[0]
+    x = torch.randn(tokens, n, requires_grad=True)
+    y = function.galore_linear(x, factor, None, weight, None, None, q, 0.9, 1.0)
+    y.backward(torch.ones_like(y))
+    assert flat.grad[: m * n].abs().sum() == 0 and flat.grad[m * n :].abs().sum() > 0
+    x_dense = x.detach().requires_grad_(True)
+    dense = x_dense @ (0.9 * weight.detach() + factor.detach() @ q.T).T
+    dense.backward(torch.ones_like(dense))
+    torch.testing.assert_close(y, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_dense.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_quantized_layer_output_is_its_own_tensor_for_autograd():
     """A quantized-W0 layer takes an input of shape (..., n) whole: its output comes from the layer's own autograd
     node (no view nodes for the leading dimensions), and a caller may modify it in place, as an nn.Linear's."""

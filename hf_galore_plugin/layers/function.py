@@ -20,8 +20,8 @@ work, the two fixed costs a GPU waits for:
 - W0 as loaded takes the node from WRITTEN_OUT_MIN_VALUES activation values per call (tokens times the
   larger side), where the passes it saves outweigh its Python; below that, autograd's own ops (C++, no
   Python per layer): the thin GEMMs of the branch and one ``addmm`` that forms ``alpha * x W0^T`` and adds
-  the branch, the backward derived. Either way W0 does not require a gradient, so the weight GEMM of W0
-  is skipped and no m x n tensor is formed, and a plain W0 is read as it is, never formed into (the copy
+  the branch, the backward derived. Either way W0 gets no gradient (one an engine hands over as a view of a
+  parameter that requires a gradient is detached), so the weight GEMM of W0 is skipped and no m x n tensor is formed, and a plain W0 is read as it is, never formed into (the copy
   forming needs costs more than the fold saves: docs/benchmarks/step-time.md).
 
 Rounding: a scale folded into a basis is exact for the presets' power-of-two scales and rounded once into
@@ -289,9 +289,13 @@ def galore_linear(
     the same once the node that reads W0 has run its backward (a post hook of that node), so it may write W0.
     `traced_record` (compiled code, on a step where the model records): (recorder id, part) for the record ops.
     """
+    if weight is not None and weight.requires_grad:
+        # W0 is frozen, but an engine may hand it over as a view of a parameter that requires a gradient (FSDP1 with
+        # use_orig_params: a view of the unit's flat parameter, which holds the factor too): autograd would then run
+        # the weight-gradient GEMM of W0 that GaLore skips, and the engine would reduce its result for nothing.
+        weight = weight.detach()
     if not isinstance(alpha, torch.Tensor) and (
-        weight is None
-        or (not weight.requires_grad and x.numel() // x.shape[-1] * max(weight.shape) >= WRITTEN_OUT_MIN_VALUES)
+        weight is None or x.numel() // x.shape[-1] * max(weight.shape) >= WRITTEN_OUT_MIN_VALUES
     ):
         dtype = (p if p is not None else q if q is not None else x).dtype
         if p is None and q is None and torch.is_autocast_enabled(x.device.type):
