@@ -289,10 +289,11 @@ def galore_linear(
     the same once the node that reads W0 has run its backward (a post hook of that node), so it may write W0.
     `traced_record` (compiled code, on a step where the model records): (recorder id, part) for the record ops.
     """
-    if weight is not None and weight.requires_grad:
+    if weight is not None and (isinstance(alpha, torch.Tensor) or weight.requires_grad):
         # W0 is frozen, but an engine may hand it over as a view of a parameter that requires a gradient (FSDP1 with
         # use_orig_params: a view of the unit's flat parameter, which holds the factor too): autograd would then run
         # the weight-gradient GEMM of W0 that GaLore skips, and the engine would reduce its result for nothing.
+        # Traced code detaches without asking (reading requires_grad would be one more guard per layer).
         weight = weight.detach()
     if not isinstance(alpha, torch.Tensor) and (
         weight is None or x.numel() // x.shape[-1] * max(weight.shape) >= WRITTEN_OUT_MIN_VALUES
