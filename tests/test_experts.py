@@ -310,6 +310,32 @@ def test_grouped_gemms_equal_the_loop_over_experts(dtype, rank):
     assert torch.count_nonzero(grad[1]) == 0
 
 
+def test_a_stacked_w0_view_that_requires_a_gradient_gets_none():
+    """As a linear layer's (tests/test_core.py): an expert stack's frozen W0 handed over as a view of a parameter
+    that requires a gradient (FSDP1's flat parameter) is detached, so no gradient reaches it; output and dX are
+    those of the plain stack."""
+    from hf_galore_plugin.layers.grouped import grouped_galore, offsets_of
+
+    g = torch.Generator().manual_seed(0)
+    counts, m, n, r = [5, 0, 7, 3], 12, 16, 4
+    flat = torch.randn(EXPERTS * m * n + EXPERTS * m * r, generator=g, requires_grad=True)
+    weight = flat[: EXPERTS * m * n].view(EXPERTS, m, n)
+    factor = flat[EXPERTS * m * n :].view(EXPERTS, m, r)
+    q = torch.randn(EXPERTS, n, r, generator=g)
+    x = torch.randn(sum(counts), n, generator=g, requires_grad=True)
+    offsets = offsets_of(counts, x.device)
+    y = grouped_galore(x, offsets, factor, weight, None, None, None, q, 0.9, 1.0, torch.float32)
+    y.backward(torch.ones_like(y))
+    assert flat.grad[: EXPERTS * m * n].abs().sum() == 0 and flat.grad[EXPERTS * m * n :].abs().sum() > 0
+    x_dense = x.detach().requires_grad_(True)
+    rows = torch.repeat_interleave(torch.arange(EXPERTS), torch.tensor(counts))
+    merged = 0.9 * weight.detach() + factor.detach() @ q.mT
+    dense = torch.einsum("sn,smn->sm", x_dense, merged[rows])
+    dense.backward(torch.ones_like(dense))
+    torch.testing.assert_close(y, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_dense.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_prepared_model_computes_the_stock_logits(family):
     model = FAMILIES[family]()

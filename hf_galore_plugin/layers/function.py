@@ -41,7 +41,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["WrittenOutLinear", "galore_linear", "recorder", "register_recorder"]
+__all__ = ["WrittenOutLinear", "frozen_base", "galore_linear", "recorder", "register_recorder"]
 
 # The ``input`` of an addmm with beta=0: BLAS ignores it, broadcasting needs only a 0-d tensor. One per
 # (device, dtype), made once, so a GEMM scaled by alpha allocates no zeros.
@@ -171,7 +171,7 @@ class WrittenOutLinear(torch.autograd.Function):
                 u, last = t, b.mT
             else:
                 u, last = t @ b.mT, p.mT
-            base = read(dtype) if weight is None else _cast(weight, dtype)
+            base = _base(weight, read, dtype)
             if bias_c is None:
                 y = xc @ base.mT
                 y.addmm_(u, last, beta=alpha, alpha=scale)
@@ -202,12 +202,15 @@ class WrittenOutLinear(torch.autograd.Function):
             if grad_factor.dtype != factor_dtype:
                 grad_factor = grad_factor.to(factor_dtype)
         if needs_x:
-            base = ctx.read(dy.dtype) if weight is None else _cast(weight, dy.dtype)
+            base = _base(weight, ctx.read, dy.dtype)
             if weight is None and dy.shape[0] >= FORM_MIN_TOKENS and _form(dy.shape[0], b.shape, p, q, backward=True):
                 grad_x = dy @ _effective_into(base, b, p, q, ctx.alpha, scale)
             else:
                 grad_x = dy @ base
-                grad_x.addmm_(du if q is None else du @ b, b if q is None else q.mT, beta=ctx.alpha, alpha=scale)
+                if q is None:
+                    grad_x.addmm_(du, b, beta=ctx.alpha, alpha=scale)
+                else:
+                    grad_x.addmm_(du @ b, q.mT, beta=ctx.alpha, alpha=scale)
             del base
             if grad_x.dtype != x_dtype:
                 grad_x = grad_x.to(x_dtype)
@@ -289,12 +292,7 @@ def galore_linear(
     the same once the node that reads W0 has run its backward (a post hook of that node), so it may write W0.
     `traced_record` (compiled code, on a step where the model records): (recorder id, part) for the record ops.
     """
-    if weight is not None and (isinstance(alpha, torch.Tensor) or weight.requires_grad):
-        # W0 is frozen, but an engine may hand it over as a view of a parameter that requires a gradient (FSDP1 with
-        # use_orig_params: a view of the unit's flat parameter, which holds the factor too): autograd would then run
-        # the weight-gradient GEMM of W0 that GaLore skips, and the engine would reduce its result for nothing.
-        # Traced code detaches without asking (reading requires_grad would be one more guard per layer).
-        weight = weight.detach()
+    weight = frozen_base(weight, traced=isinstance(alpha, torch.Tensor))
     if not isinstance(alpha, torch.Tensor) and (
         weight is None or x.numel() // x.shape[-1] * max(weight.shape) >= WRITTEN_OUT_MIN_VALUES
     ):
@@ -337,8 +335,25 @@ def galore_linear(
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A plain W0 in `dtype`: itself, or a cast where it differs (as autocast casts a weight for each GEMM)."""
+def frozen_base(weight: Optional[torch.Tensor], *, traced: bool) -> Optional[torch.Tensor]:
+    """A plain W0 as a GEMM of the layer reads it: without autograd history.
+
+    W0 is frozen, but an engine may hand it over as a view of a parameter that requires a gradient (FSDP1 with
+    use_orig_params: a view of the unit's flat parameter, which holds the factor too): autograd would then run the
+    weight-gradient GEMM of W0 that GaLore skips, and the engine would reduce its result for nothing. Traced code
+    (`traced`) detaches without asking: reading requires_grad would be one more Dynamo guard per layer."""
+    if weight is not None and (traced or weight.requires_grad):
+        return weight.detach()
+    return weight
+
+
+def _base(
+    weight: Optional[torch.Tensor], read: Callable[[torch.dtype], torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """W0 in `dtype` for one pass of WrittenOutLinear: a plain `weight` itself, or cast where its dtype differs (as
+    autocast casts a weight for each GEMM); `weight` None: `read(dtype)`, a dequantized copy."""
+    if weight is None:
+        return read(dtype)
     return weight if weight.dtype == dtype else weight.to(dtype)
 
 

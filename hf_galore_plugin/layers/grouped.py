@@ -39,7 +39,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
-from .function import recorder
+from .function import frozen_base, recorder
 
 __all__ = ["grouped_galore", "grouped_mm", "grouped_mm_t", "offsets_of"]
 
@@ -258,6 +258,7 @@ def grouped_galore(
     basis carries it. `record`, on an eager step that records, is called with (dy, x, offs) once the output's
     gradient arrives; `traced_record` (compiled, on record steps) is the stack's recorder id for the record ops.
     """
+    weight = frozen_base(weight, traced=isinstance(alpha, torch.Tensor))
     xc = x if x.dtype == dtype else x.to(dtype)
     b = factor if factor.dtype == dtype else factor.to(dtype)
     if scale != 1.0:
